@@ -1,0 +1,5 @@
+import sys
+
+from fragsim.cli import main
+
+sys.exit(main())

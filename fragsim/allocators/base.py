@@ -1,0 +1,117 @@
+"""The allocator contract and the two kinds of placement.
+
+An allocator hands out *slots* (one slot holds the K and V of one token across
+all layers) from a pool of ``capacity`` slots. It decides *where* a sequence's
+slots go; *how many* a sequence asks for is the reservation policy's business
+(:mod:`fragsim.allocators.reservation`), kept apart so that every placement can be
+paired with every policy.
+
+Each sequence has two numbers the allocator tracks::
+
+    requested(seq)  slots asked for so far by allocate() and extend()
+    owned(seq)      slots it holds, after the placement's own rounding
+                    (static: max_seq_len; buddy: a power of two; paged: whole blocks)
+
+and ``requested <= owned`` always holds. ``extend`` raises ``requested``; a
+contiguous placement succeeds only while the new total still fits in what it
+owns, a paged one takes more blocks.
+
+Allocators know nothing of time, SimPy or torch: the engine asks, the GPU backend
+executes the placements they return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class Extent:
+    """A contiguous run of slots ``[offset, offset + length)``.
+
+    Used by ``static``, ``contiguous`` and ``buddy``: the attention kernel reads a
+    sequence at ``base = offset`` with ``length`` valid positions at most.
+    """
+
+    offset: int
+    length: int
+
+    def slot(self, position: int) -> int:
+        if not 0 <= position < self.length:
+            raise IndexError(f"position {position} outside extent of {self.length} slots")
+        return self.offset + position
+
+
+@dataclass(frozen=True)
+class BlockTable:
+    """Physical block ids in logical order; block ``b`` holds slots ``[b*B, (b+1)*B)``.
+
+    Position ``p`` of the sequence lives in slot
+    ``block_ids[p // block_size] * block_size + p % block_size``.
+    """
+
+    block_size: int
+    block_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def length(self) -> int:
+        return len(self.block_ids) * self.block_size
+
+    def slot(self, position: int) -> int:
+        block, within = divmod(position, self.block_size)
+        if not 0 <= block < len(self.block_ids):
+            raise IndexError(f"position {position} outside {len(self.block_ids)} blocks")
+        return self.block_ids[block] * self.block_size + within
+
+
+Placement = Extent | BlockTable
+
+
+@runtime_checkable
+class Allocator(Protocol):
+    """What every KV-cache allocator provides. All sizes are in slots."""
+
+    #: placement name: "static", "contiguous", "buddy", "paged", ...
+    name: str
+    #: slots in the pool
+    capacity: int
+    #: reservation policy the engine should apply: "max", "pow2", "oracle" or "demand"
+    reserve: str
+    #: True when extend() takes new memory (paged); False when growth must fit in
+    #: what allocate() reserved (static, contiguous, buddy)
+    grows_on_demand: bool
+
+    def can_allocate(self, num_slots: int) -> bool: ...
+
+    def allocate(self, seq_id: int, num_slots: int) -> Placement | None:
+        """Place ``num_slots`` slots for a new sequence, or return None (state unchanged)."""
+        ...
+
+    def extend(self, seq_id: int, num_slots: int) -> bool:
+        """Raise requested(seq) by ``num_slots``; False (state unchanged) if it cannot."""
+        ...
+
+    def free(self, seq_id: int) -> None: ...
+
+    def num_free(self) -> int: ...
+
+    def largest_allocatable(self) -> int:
+        """The largest ``num_slots`` that ``allocate`` would accept right now."""
+        ...
+
+    def rounded(self, num_slots: int) -> int:
+        """Slots that ``allocate(_, num_slots)`` would own (the placement's rounding)."""
+        ...
+
+    def placement(self, seq_id: int) -> Placement: ...
+
+    def num_owned(self, seq_id: int) -> int: ...
+
+    def num_requested(self, seq_id: int) -> int: ...
+
+    def seq_ids(self) -> list[int]: ...
+
+    def check(self) -> None:
+        """Assert every invariant; cheap enough to call after each operation in tests."""
+        ...
