@@ -1,0 +1,165 @@
+"""How long one engine step takes.
+
+A step runs the whole batch once: ``num_prefill_tokens`` prompt tokens (possibly
+chunks of several prompts) and one token for each of ``num_decode`` decoding
+sequences that together read ``decode_context`` stored tokens of KV.
+
+Two models:
+
+* ``fixed``: every step takes ``step_time`` seconds. For analytic checks.
+* ``roofline``: a step is bound either by compute or by memory traffic::
+
+      compute = (2 * params * tokens + attention_flops) / tp / (fp16_flops * flops_efficiency)
+      memory  = (weight_bytes + kv_bytes_per_token * decode_context) / tp
+                / (hbm_bandwidth * bandwidth_efficiency)
+      step    = overhead + max(compute, memory) + tp_comm
+
+  Prefill is compute bound, decode memory bound on the weights plus the KV it
+  reads; tensor parallelism splits both over ``tp`` GPUs and adds two all-reduces
+  per layer of the step's activations over ``tp_comm_bandwidth``.
+
+Every model evaluates :meth:`CostModel.decode_step_times` on a whole array of
+consecutive decode-only steps; the engine's exact mode calls the same method with
+arrays of one element, so both modes see bit-identical step times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from fragsim.catalog import GPUConfig, ModelConfig
+
+
+class CostModel(Protocol):
+    name: str
+
+    def step_time(self, num_prefill_tokens: int, prefill_attention_units: int,
+                  num_decode: int, decode_context: int) -> float:
+        """One step. ``prefill_attention_units`` = Σ over prefill tokens of the
+        number of earlier tokens they attend to (the QKᵀ/PV work of a prompt)."""
+        ...
+
+    def decode_step_times(self, num_decode: int, decode_context: np.ndarray) -> np.ndarray:
+        """Decode-only steps, one per element of ``decode_context``."""
+        ...
+
+    def to_dict(self) -> dict[str, object]: ...
+
+
+@dataclass(frozen=True)
+class FixedCostModel:
+    """Every step takes ``step_time`` seconds, whatever it computes."""
+
+    step_time_s: float = 0.02
+    name: str = "fixed"
+
+    def __post_init__(self) -> None:
+        if not self.step_time_s > 0:
+            raise ValueError(f"step_time must be > 0 seconds, got {self.step_time_s}")
+
+    def step_time(self, num_prefill_tokens: int, prefill_attention_units: int,
+                  num_decode: int, decode_context: int) -> float:
+        return float(self.step_time_s)
+
+    def decode_step_times(self, num_decode: int, decode_context: np.ndarray) -> np.ndarray:
+        return np.full(len(decode_context), float(self.step_time_s))
+
+    def to_dict(self) -> dict[str, object]:
+        return {"cost_model": self.name, "step_time_s": self.step_time_s}
+
+
+@dataclass(frozen=True)
+class RooflineCostModel:
+    """Roofline of a model on a GPU; see the module docstring for the formula.
+
+    Efficiency defaults are typical of well-tuned serving engines: about 60% of
+    dense tensor FLOP/s in prefill, 80% of HBM bandwidth in decode, and a fixed
+    per-step overhead for scheduling and kernel launches.
+    """
+
+    model: ModelConfig
+    gpu: GPUConfig
+    tp: int = 1
+    flops_efficiency: float = 0.6
+    bandwidth_efficiency: float = 0.8
+    overhead_s: float = 0.002
+    tp_comm_bandwidth: float = 300e9  # bytes/s per GPU, NVLink-class interconnect
+    name: str = "roofline"
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        for field_name in ("flops_efficiency", "bandwidth_efficiency"):
+            value = getattr(self, field_name)
+            if not 0 < value <= 1:
+                raise ValueError(f"{field_name} must be in (0, 1], got {value}")
+        if self.overhead_s < 0:
+            raise ValueError(f"overhead_s must be >= 0, got {self.overhead_s}")
+
+    # Coefficients, so that a step is overhead + max(c0 + c1*x, m0 + m1*y) + comm.
+    @property
+    def _flop_rate(self) -> float:
+        return self.gpu.fp16_flops * self.flops_efficiency * self.tp
+
+    @property
+    def _byte_rate(self) -> float:
+        return self.gpu.hbm_bandwidth * self.bandwidth_efficiency * self.tp
+
+    def _attention_flops_per_unit(self) -> float:
+        # QK^T and PV: 2 matmuls x 2 flops per multiply-add, over all query heads.
+        m = self.model
+        return 4.0 * m.num_layers * m.num_heads * m.head_dim
+
+    def _comm_time(self, tokens: np.ndarray | int) -> np.ndarray | float:
+        if self.tp == 1:
+            return 0.0 * tokens
+        m = self.model
+        # Two ring all-reduces per layer, each moving 2(tp-1)/tp of the activations.
+        nbytes = 2 * m.num_layers * tokens * m.hidden_size * m.dtype_bytes * 2 * (self.tp - 1) / self.tp
+        return nbytes / self.tp_comm_bandwidth
+
+    def _times(self, tokens: np.ndarray | int, attention_units: np.ndarray | int,
+               context: np.ndarray | int) -> np.ndarray:
+        m = self.model
+        flops = 2.0 * m.num_params * np.asarray(tokens, dtype=np.float64) \
+            + self._attention_flops_per_unit() * np.asarray(attention_units, dtype=np.float64)
+        nbytes = float(m.weight_bytes) + float(m.kv_bytes_per_token) * np.asarray(context, dtype=np.float64)
+        compute = flops / self._flop_rate
+        memory = nbytes / self._byte_rate
+        return self.overhead_s + np.maximum(compute, memory) + self._comm_time(np.asarray(tokens))
+
+    def step_time(self, num_prefill_tokens: int, prefill_attention_units: int,
+                  num_decode: int, decode_context: int) -> float:
+        tokens = num_prefill_tokens + num_decode
+        units = prefill_attention_units + decode_context
+        return float(self._times(np.array([tokens]), np.array([units]), np.array([decode_context]))[0])
+
+    def decode_step_times(self, num_decode: int, decode_context: np.ndarray) -> np.ndarray:
+        tokens = np.full(len(decode_context), num_decode)
+        return self._times(tokens, decode_context, decode_context)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "cost_model": self.name, "model": self.model.name, "gpu": self.gpu.name,
+            "tp": self.tp, "flops_efficiency": self.flops_efficiency,
+            "bandwidth_efficiency": self.bandwidth_efficiency, "overhead_s": self.overhead_s,
+            "tp_comm_bandwidth": self.tp_comm_bandwidth,
+        }
+
+
+COST_MODELS = ("roofline", "fixed")
+
+
+def make_cost_model(name: str, *, model: ModelConfig | None = None, gpu: GPUConfig | None = None,
+                    tp: int = 1, step_time: float = 0.02, **options: float) -> CostModel:
+    if name == "fixed":
+        return FixedCostModel(step_time_s=step_time)
+    if name == "roofline":
+        if model is None or gpu is None:
+            raise ValueError("the roofline cost model needs a model and a GPU")
+        return RooflineCostModel(model=model, gpu=gpu, tp=tp, **options)  # type: ignore[arg-type]
+    raise ValueError(f"unknown cost model {name!r}; choose one of {', '.join(COST_MODELS)}")

@@ -1,0 +1,669 @@
+"""The serving engine: a SimPy process that replays a trace against one allocator.
+
+Step semantics (the contract every figure rests on)
+---------------------------------------------------
+A step starts at time ``t`` and lasts the cost model's step time ``dt``.
+
+* At its start, in this order: arrivals with ``arrival_time <= t`` join the
+  queue (requests that can never be served are refused on the spot); waiting
+  requests past ``queue_timeout`` are refused; every decoding sequence gets room
+  for the token it generates in this step (paged allocators may take a block;
+  when none is left the latest-arrived running request is preempted); swapped-out
+  requests are resumed, earliest first; unfinished prompt chunks continue; then
+  waiting requests are admitted first-come first-served while the allocator and
+  the batch limits (``max_num_seqs``, ``max_num_batched_tokens``) allow.
+* During the step the pool holds what was decided at its start.
+* At its end: each decoding sequence has stored one more token; a prompt whose
+  last chunk ran holds ``prompt_len + 1`` tokens (its KV and the first output
+  token); a request that reaches ``prompt_len + output_len`` completes and frees
+  its memory at that instant.
+
+Request-level (``static``) batching instead forms a batch when none runs and
+runs it until its longest member finishes; members keep their memory and return
+together at the batch's end (HuggingFace ``generate`` style).
+
+Speed
+-----
+Most steps change nothing but lengths: every sequence grows by one token. The
+engine advances such a stretch in one go (``_jump``): step times, the
+time-weighted memory split and any paged block allocations of up to thousands of
+steps come out of a few numpy calls, and SimPy sees one timeout. It stops short
+of any step where something else could happen (an arrival that could be
+admitted, a completion, a queue timeout, a failed block allocation), and those
+steps run through the same code as ``exact_steps`` mode, which runs every step on
+its own. Both modes see bit-identical step times and make the same decisions, so
+their summaries agree (tests compare them).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import simpy
+
+from fragsim.allocators import Allocator, reserve_slots
+from fragsim.batch import DecodeBatch
+from fragsim.costmodel import CostModel
+from fragsim.metrics import Recorder
+
+# Request status codes in the per-request arrays.
+PENDING, WAITING, RUNNING, SWAPPED, FINISHED, REFUSED = range(6)
+REFUSE_TOO_LONG, REFUSE_TOO_LARGE, REFUSE_TIMEOUT = 1, 2, 3
+REFUSE_REASONS = {0: "", REFUSE_TOO_LONG: "too_long", REFUSE_TOO_LARGE: "too_large",
+                  REFUSE_TIMEOUT: "timeout"}
+_BLOCK_FRAG, _BLOCK_CAP, _BLOCK_BATCH = 1, 2, 4
+
+BATCHING = ("continuous", "static")
+PREEMPTION = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Scheduler limits and modes. Validated at construction."""
+
+    max_seq_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: max(max_seq_len, 2048), no chunking needed
+    batching: str = "continuous"
+    preemption: str = "recompute"
+    swap_space_slots: int = 0
+    swap_bandwidth: float = 25e9         # bytes/s over PCIe
+    kv_bytes_per_token: int = 0          # only for swap transfer times
+    queue_timeout_s: float | None = None
+    truncate_prompts: bool = False
+    exact_steps: bool = False
+    check: bool = False                  # recompute the split from per-sequence state each step
+    timeseries_resolution_s: float | None = 1.0
+    max_jump_steps: int = 4096
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ValueError(msg)
+        need(self.max_seq_len >= 1, f"max_seq_len must be >= 1, got {self.max_seq_len}")
+        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        need(self.batching in BATCHING, f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
+        need(self.preemption in PREEMPTION, f"preemption must be one of {', '.join(PREEMPTION)}, got {self.preemption!r}")
+        need(self.swap_space_slots >= 0, f"swap space must be >= 0, got {self.swap_space_slots}")
+        need(self.swap_bandwidth > 0, f"swap bandwidth must be > 0, got {self.swap_bandwidth}")
+        need(self.queue_timeout_s is None or self.queue_timeout_s > 0,
+             f"queue_timeout must be > 0 seconds, got {self.queue_timeout_s}")
+        need(self.max_jump_steps >= 1, f"max_jump_steps must be >= 1, got {self.max_jump_steps}")
+        tokens = self.num_batched_tokens
+        need(tokens >= self.max_num_seqs,
+             f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({self.max_num_seqs}): "
+             "every running sequence decodes one token per step")
+
+    @property
+    def num_batched_tokens(self) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return max(self.max_seq_len, 2048)
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """A request whose prompt (or, after recompute, prompt + generated) is being processed."""
+
+    req: int
+    target: int       # tokens to process
+    done: int         # processed so far; filled == done until the last chunk
+    owned: int
+    requested: int
+
+
+class Engine:
+    """Replays ``trace`` against ``allocator``; call :meth:`run` once."""
+
+    def __init__(self, trace: object, allocator: Allocator, cost_model: CostModel,
+                 config: EngineConfig, progress: Callable[[int], None] | None = None) -> None:
+        self.cfg = config
+        self.alloc = allocator
+        self.cost = cost_model
+        self.progress = progress
+        self.grows = bool(allocator.grows_on_demand)
+        self.block_size = int(getattr(allocator, "block_size", 1) or 1)
+        self.capacity = int(allocator.capacity)
+        self.rec = Recorder(self.capacity, config.timeseries_resolution_s,
+                            free_probe=allocator.num_free)
+
+        arrival = np.asarray(trace.arrival_s, dtype=np.float64)  # type: ignore[attr-defined]
+        prompt = np.asarray(trace.prompt_len, dtype=np.int64).copy()  # type: ignore[attr-defined]
+        output = np.asarray(trace.output_len, dtype=np.int64).copy()  # type: ignore[attr-defined]
+        self.N = len(arrival)
+        self.arrival, self.prompt, self.output = arrival, prompt, output
+        self.status = np.full(self.N, PENDING, dtype=np.int8)
+        self.refused = np.zeros(self.N, dtype=np.int8)
+        self.blocked = np.zeros(self.N, dtype=np.int8)
+        self.generated = np.zeros(self.N, dtype=np.int64)
+        self.preemptions = np.zeros(self.N, dtype=np.int32)
+        self.first_token = np.full(self.N, np.nan)
+        self.finish = np.full(self.N, np.nan)
+        self._classify_requests()
+        self.final = self.prompt + self.output
+
+        self.now = float(arrival[0]) if self.N else 0.0
+        self.g = 0                      # steps completed
+        self.num_steps = 0              # steps simulated (jumped ones included)
+        self.num_events = 0             # SimPy timeouts
+        self._next = 0                  # next trace row to pull
+        self.waiting: deque[int] = deque()
+        self.prefilling: list[_Prefill] = []
+        self.swapped: deque[tuple[int, int, int]] = deque()  # (req, filled, slots held in CPU)
+        self.swap_used = 0
+        self.batch = DecodeBatch()
+        self.owned_total = 0
+        self.internal_total = 0
+        self.num_done = 0
+        self._quiet = False
+        self._static_running = False
+
+    # ------------------------------------------------------------------ setup
+
+    def _classify_requests(self) -> None:
+        """Refusals that depend only on the request: too long, or too large for the pool."""
+        cfg = self.cfg
+        too_long = self.prompt + self.output > cfg.max_seq_len
+        if cfg.truncate_prompts:
+            fixable = too_long & (self.output < cfg.max_seq_len)
+            self.prompt[fixable] = cfg.max_seq_len - self.output[fixable]
+            self.rec.counters.num_truncated = int(fixable.sum())
+            too_long &= ~fixable
+        final = self.prompt + self.output
+        # What the request must eventually hold, after the placement's rounding.
+        if self.grows:
+            need = final
+        else:
+            policy = self.alloc.reserve
+            need = np.array([reserve_slots(policy, int(p), int(o), cfg.max_seq_len)
+                             for p, o in zip(self.prompt, self.output, strict=True)], dtype=np.int64) \
+                if policy == "pow2" else (np.full(self.N, cfg.max_seq_len) if policy == "max" else final)
+        largest_empty = self.alloc.largest_allocatable()
+        rounded = np.array([self.alloc.rounded(int(x)) for x in np.unique(need)], dtype=np.int64)
+        fits = dict(zip(np.unique(need).tolist(), (rounded <= largest_empty).tolist(), strict=True))
+        too_large = ~too_long & ~np.array([fits[int(x)] for x in need], dtype=bool) if self.N else too_long
+        self.refused[too_long] = REFUSE_TOO_LONG
+        self.refused[too_large] = REFUSE_TOO_LARGE
+        self.servable = ~(too_long | too_large)
+        self.servable_cum = np.concatenate(([0], np.cumsum(self.servable)))
+        # next_servable[i]: first servable row >= i (N if none)
+        idx = np.where(self.servable, np.arange(self.N), self.N)
+        self.next_servable = np.minimum.accumulate(idx[::-1])[::-1] if self.N else idx
+        self.next_servable = np.append(self.next_servable, self.N)
+
+    # --------------------------------------------------------------- bookkeeping
+
+    def _take(self, req: int, owned: int, delta: int = 1) -> None:
+        self.owned_total += delta * owned
+        self.internal_total += delta * max(0, owned - int(self.final[req]))
+
+    def _finish(self, req: int) -> None:
+        self.status[req] = FINISHED
+        self.finish[req] = self.now
+        self.num_done += 1
+        if self.progress is not None and self.num_done % 256 == 0:
+            self.progress(self.num_done)
+
+    def _refuse(self, req: int, reason: int) -> None:
+        self.status[req] = REFUSED
+        self.refused[req] = reason
+        self.num_done += 1
+
+    def _pull_arrivals(self) -> None:
+        arrival, now = self.arrival, self.now
+        while self._next < self.N and arrival[self._next] <= now:
+            req = self._next
+            self._next += 1
+            if self.servable[req]:
+                self.status[req] = WAITING
+                self.waiting.append(req)
+            else:
+                self._refuse(req, int(self.refused[req]))
+
+    def _expire_waiting(self) -> None:
+        timeout = self.cfg.queue_timeout_s
+        if timeout is None or not self.waiting:
+            return
+        keep: deque[int] = deque()
+        for req in self.waiting:
+            if self.preemptions[req] == 0 and self.now - self.arrival[req] > timeout:
+                self._refuse(req, REFUSE_TIMEOUT)
+            else:
+                keep.append(req)
+        self.waiting = keep
+
+    def _mark_blocked(self, req: int, kind: int) -> None:
+        if self.blocked[req] & kind:
+            return
+        self.blocked[req] |= kind
+        c = self.rec.counters
+        if kind == _BLOCK_FRAG:
+            c.num_blocked_fragmentation += 1
+        elif kind == _BLOCK_CAP:
+            c.num_blocked_capacity += 1
+        else:
+            c.num_blocked_batch_limit += 1
+
+    def _num_running(self) -> int:
+        return self.batch.n + len(self.prefilling)
+
+    # ---------------------------------------------------------------- preemption
+
+    def _preempt_latest(self) -> int:
+        """Preempt the latest-arrived running request; return its request index."""
+        b = self.batch
+        cand_row = int(np.argmax(b.req[: b.n])) if b.n else -1
+        cand = int(b.req[cand_row]) if b.n else -1
+        pre = max(self.prefilling, key=lambda p: p.req) if self.prefilling else None
+        if pre is not None and pre.req > cand:
+            self.prefilling.remove(pre)
+            self.alloc.free(pre.req)
+            self._take(pre.req, pre.owned, -1)
+            self._requeue(pre.req, 0, pre.owned)
+            return pre.req
+        if cand < 0:
+            raise RuntimeError("growth failed with nothing running to preempt")
+        filled = int(b.offset[cand_row]) + self.g
+        owned = int(b.owned[cand_row])
+        b.remove(cand_row)
+        self.alloc.free(cand)
+        self._take(cand, owned, -1)
+        self._requeue(cand, filled, owned)
+        return cand
+
+    def _requeue(self, req: int, filled: int, owned: int) -> None:
+        self.preemptions[req] += 1
+        c = self.rec.counters
+        if (self.cfg.preemption == "swap" and filled > 0
+                and self.swap_used + owned <= self.cfg.swap_space_slots):
+            self.swap_used += owned
+            self.swapped.append((req, filled, owned))
+            self.status[req] = SWAPPED
+            c.num_preemptions_swap += 1
+            self._step_extra += owned * self.cfg.kv_bytes_per_token / self.cfg.swap_bandwidth
+        else:
+            self.status[req] = WAITING
+            self.waiting.appendleft(req)
+            c.num_preemptions_recompute += 1
+        self._freed = True
+
+    # ---------------------------------------------------------------- one step
+
+    def _grow_decoders(self) -> None:
+        """Room for this step's token in every decoding sequence (paged: maybe a block)."""
+        b = self.batch
+        while True:
+            n = b.n
+            need = np.flatnonzero(b.offset[:n] + self.g + 1 > b.owned[:n])
+            if len(need) == 0:
+                return
+            order = need[np.argsort(b.req[need], kind="stable")]
+            for row in order:
+                req = int(b.req[row])
+                target = int(b.offset[row]) + self.g + 1
+                if self.alloc.extend(req, target - int(b.requested[row])):
+                    new_owned = self.alloc.num_owned(req)
+                    self._take(req, int(b.owned[row]), -1)
+                    self._take(req, new_owned)
+                    b.owned[row] = new_owned
+                    b.requested[row] = target
+                else:
+                    self._preempt_latest()
+                    break  # rows moved: recompute who still needs room
+            else:
+                return
+
+    def _resume_swapped(self) -> None:
+        while self.swapped and self._num_running() < self.cfg.max_num_seqs and self._budget > 0:
+            req, filled, cpu_slots = self.swapped[0]
+            if self.alloc.allocate(req, filled + 1) is None:
+                return
+            self.swapped.popleft()
+            self.swap_used -= cpu_slots
+            owned = self.alloc.num_owned(req)
+            self._take(req, owned)
+            self.batch.add(req, filled, self.g, owned, filled + 1, int(self.final[req]))
+            self.status[req] = RUNNING
+            self._budget -= 1
+            self._step_extra += filled * self.cfg.kv_bytes_per_token / self.cfg.swap_bandwidth
+
+    def _admit(self) -> bool:
+        """Admit FCFS; True if the queue head is blocked (or the queue is empty)."""
+        cfg, alloc = self.cfg, self.alloc
+        while self.waiting:
+            req = self.waiting[0]
+            if self._num_running() >= cfg.max_num_seqs or self._budget <= 0:
+                self._mark_blocked(req, _BLOCK_BATCH)
+                return True
+            context = int(self.prompt[req] + self.generated[req])
+            if self.grows:
+                need = context + 1
+            else:
+                need = reserve_slots(alloc.reserve, int(self.prompt[req]), int(self.output[req]),
+                                     cfg.max_seq_len)
+            if alloc.allocate(req, need) is None:
+                frag = alloc.num_free() >= alloc.rounded(need)
+                self._mark_blocked(req, _BLOCK_FRAG if frag else _BLOCK_CAP)
+                return True
+            self.waiting.popleft()
+            owned = alloc.num_owned(req)
+            self._take(req, owned)
+            self.status[req] = RUNNING
+            self.prefilling.append(_Prefill(req, context, 0, owned, need))
+            self._chunks.append((self.prefilling[-1], min(self._budget, context)))
+            self._budget -= self._chunks[-1][1]
+        return True
+
+    def _step(self) -> float:
+        """One step from ``self.now``: decisions, then its duration. Returns dt."""
+        cfg = self.cfg
+        self._step_extra = 0.0
+        self._freed = False
+        self._chunks: list[tuple[_Prefill, int]] = []
+        self._pull_arrivals()
+        self._expire_waiting()
+        if self.grows:
+            self._grow_decoders()
+        self._budget = cfg.num_batched_tokens - self.batch.n
+        self._resume_swapped()
+        for p in self.prefilling:
+            if self._budget <= 0:
+                break
+            if all(p is not q for q, _ in self._chunks):
+                chunk = min(self._budget, p.target - p.done)
+                self._chunks.append((p, chunk))
+                self._budget -= chunk
+        head_blocked = not self.swapped and self._admit()
+        swapped_blocked = bool(self.swapped)
+
+        b = self.batch
+        n = b.n
+        decode_context = int(b.offset[:n].sum()) + n * self.g
+        if self._chunks or self._step_extra:
+            tokens = sum(c for _, c in self._chunks)
+            units = sum(c * p.done + c * (c - 1) // 2 for p, c in self._chunks)
+            dt = self.cost.step_time(tokens, units, n, decode_context) + self._step_extra
+        elif n:
+            dt = float(self.cost.decode_step_times(n, np.array([decode_context]))[0])
+        else:
+            return 0.0
+        token_states = decode_context + sum(p.done for p in self.prefilling)
+        self.rec.record(self.now, dt, token_states, self.owned_total, self.internal_total,
+                        self.alloc.largest_allocatable(), self._num_running(),
+                        len(self.waiting) + len(self.swapped))
+        if cfg.check:
+            self._check()
+        self.now = self.now + dt
+        self.num_steps += 1
+        self._end_step()
+        self._quiet = (not self.prefilling and not self._freed
+                       and (head_blocked or not self.waiting) and (swapped_blocked or not self.swapped))
+        return dt
+
+    def _end_step(self) -> None:
+        self.g += 1
+        g = self.g
+        for p, chunk in self._chunks:
+            p.done += chunk
+            if p.done < p.target:
+                continue
+            self.prefilling.remove(p)
+            req = p.req
+            self.generated[req] += 1
+            if np.isnan(self.first_token[req]):
+                self.first_token[req] = self.now
+            self.batch.add(req, p.target + 1, g, p.owned, p.requested, int(self.final[req]))
+        b = self.batch
+        n = b.n
+        done = np.flatnonzero(b.offset[:n] + g >= b.final[:n])
+        if len(done):
+            for row in done:
+                req = int(b.req[row])
+                self.alloc.free(req)
+                self._take(req, int(b.owned[row]), -1)
+                self._finish(req)
+            b.remove_rows(done)
+            self._freed = True
+
+    # ------------------------------------------------------------- stretches
+
+    def _jump(self) -> float:
+        """Advance a stretch of uneventful decode steps at once. Returns its duration (0: none)."""
+        b, cfg = self.batch, self.cfg
+        n = b.n
+        if n == 0 or not self._quiet or cfg.exact_steps:
+            return 0.0
+        g = self.g
+        filled0 = b.offset[:n] + g
+        k = min(int((b.final[:n] - filled0).min()) - 1, cfg.max_jump_steps)
+        if k <= 0:
+            return 0.0
+        ctx = int(filled0.sum()) + n * np.arange(k, dtype=np.int64)
+        dts = self.cost.decode_step_times(n, ctx)
+        starts = np.cumsum(np.concatenate(([self.now], dts)))
+        if not self.waiting and not self.swapped:
+            nxt = int(self.next_servable[self._next])
+            if nxt < self.N:
+                hit = np.flatnonzero(self.arrival[nxt] <= starts[:k])
+                if len(hit):
+                    k = int(hit[0])
+        if cfg.queue_timeout_s is not None:
+            first = next((r for r in self.waiting if self.preemptions[r] == 0), None)
+            if first is not None:
+                hit = np.flatnonzero(starts[:k] - self.arrival[first] > cfg.queue_timeout_s)
+                if len(hit):
+                    k = int(hit[0])
+        if k <= 0:
+            return 0.0
+        if self.grows:
+            k, owned_steps, internal_steps = self._jump_growth(filled0, k)
+            if k <= 0:
+                return 0.0
+            largest = self.capacity - owned_steps
+        else:
+            owned_steps = np.full(k, self.owned_total, dtype=np.int64)
+            internal_steps = np.full(k, self.internal_total, dtype=np.int64)
+            largest = np.full(k, self.alloc.largest_allocatable(), dtype=np.int64)
+        token_states = ctx[:k]
+        pulled = np.searchsorted(self.arrival, starts[:k], side="right")
+        waiting = len(self.waiting) + len(self.swapped) \
+            + self.servable_cum[pulled] - self.servable_cum[self._next]
+        self.rec.record_steps(self.now, dts[:k], token_states, owned_steps, internal_steps,
+                              largest, n, waiting)
+        self.now = float(starts[k])
+        self.g += k
+        self.num_steps += k
+        if cfg.check:
+            self._check()
+        return float(dts[:k].sum())
+
+    def _jump_growth(self, filled0: np.ndarray, k: int) -> tuple[int, np.ndarray, np.ndarray]:
+        """Paged growth over ``k`` steps: the blocks each step takes, in exact-mode order.
+
+        A row needs a new block at the start of step ``j`` when ``filled0 + j + 1`` first
+        exceeds what it owns, i.e. at ``j0 = owned − filled0``, then every ``B`` steps.
+        Stops before the first step whose blocks would not all be available.
+        """
+        b, B = self.batch, self.block_size
+        n = b.n
+        j0 = b.owned[:n] - filled0
+        count = np.where(j0 < k, (k - j0 + B - 1) // B, 0)
+        total = int(count.sum())
+        if total == 0:
+            return (k, np.full(k, self.owned_total, dtype=np.int64),
+                    np.full(k, self.internal_total, dtype=np.int64))
+        rows = np.repeat(np.arange(n), count)
+        within = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+        step = j0[rows] + B * within
+        per_step = np.bincount(step, minlength=k)
+        cum = np.cumsum(per_step)
+        free_blocks = (self.capacity - self.owned_total) // B
+        over = np.flatnonzero(cum > free_blocks)
+        if len(over):
+            k = int(over[0])
+            keep = step < k
+            rows, within, step = rows[keep], within[keep], step[keep]
+            if k == 0:
+                return 0, per_step[:0], per_step[:0]
+        order = np.lexsort((b.req[rows], step))
+        final = b.final[rows]
+        old = b.owned[rows] + B * within
+        d_internal = np.maximum(0, old + B - final) - np.maximum(0, old - final)
+        owned_steps = self.owned_total + B * np.cumsum(np.bincount(step, minlength=k))[:k]
+        internal_steps = self.internal_total + np.cumsum(
+            np.bincount(step, weights=d_internal, minlength=k)).astype(np.int64)[:k]
+        extend = self.alloc.extend
+        for i in order:
+            row = int(rows[i])
+            target = int(filled0[row]) + int(step[i]) + 1
+            if not extend(int(b.req[row]), target - int(b.requested[row])):
+                raise AssertionError("paged growth failed inside a stretch that had room for it")
+            b.requested[row] = target
+            b.owned[row] += B
+        self.owned_total = int(owned_steps[-1])
+        self.internal_total = int(internal_steps[-1])
+        return k, owned_steps, internal_steps
+
+    # ------------------------------------------------------- request-level batching
+
+    def _static_step(self) -> float:
+        """Request-level batching: form a batch, or run the current one one step."""
+        self._step_extra = 0.0
+        self._freed = False
+        self._chunks = []
+        self._pull_arrivals()
+        self._expire_waiting()
+        b = self.batch
+        if not self._static_running:
+            self._budget = 1 << 62  # the whole batch prefills in its first step
+            self._admit()
+            if not self.prefilling:
+                return 0.0
+            self._static_running = True
+        n = b.n + len(self.prefilling)
+        decode_context = int(b.offset[: b.n].sum()) + b.n * self.g
+        if self._chunks:
+            tokens = sum(c for _, c in self._chunks)
+            units = sum(c * (c - 1) // 2 for _, c in self._chunks)
+            dt = self.cost.step_time(tokens, units, b.n, decode_context)
+        else:
+            dt = float(self.cost.decode_step_times(n, np.array([decode_context]))[0])
+        token_states = int(np.minimum(b.offset[: b.n] + self.g, b.final[: b.n]).sum())
+        self.rec.record(self.now, dt, token_states, self.owned_total, self.internal_total,
+                        self.alloc.largest_allocatable(), n, len(self.waiting))
+        self.now = self.now + dt
+        self.num_steps += 1
+        self.g += 1
+        for p, _chunk in self._chunks:
+            self.generated[p.req] += 1
+            self.first_token[p.req] = self.now
+            b.add(p.req, p.target + 1, self.g, p.owned, p.requested, int(self.final[p.req]))
+        self.prefilling.clear()
+        if b.n and bool(np.all(b.offset[: b.n] + self.g >= b.final[: b.n])):
+            for row in range(b.n):
+                req = int(b.req[row])
+                self.alloc.free(req)
+                self._take(req, int(b.owned[row]), -1)
+                self._finish(req)
+            b.n = 0
+            self._static_running = False
+        self._quiet = self._static_running
+        return dt
+
+    def _static_jump(self) -> float:
+        b, cfg = self.batch, self.cfg
+        n = b.n
+        if not self._quiet or cfg.exact_steps or n == 0:
+            return 0.0
+        filled0 = b.offset[:n] + self.g
+        remaining = b.final[:n] - filled0
+        k = min(int(remaining.max()) - 1, cfg.max_jump_steps)
+        if k <= 0:
+            return 0.0
+        steps = np.arange(k, dtype=np.int64)
+        ctx = int(filled0.sum()) + n * steps
+        dts = self.cost.decode_step_times(n, ctx)
+        starts = np.cumsum(np.concatenate(([self.now], dts)))
+        if cfg.queue_timeout_s is not None:
+            first = next((r for r in self.waiting if self.preemptions[r] == 0), None)
+            if first is None and self.next_servable[self._next] < self.N:
+                first = int(self.next_servable[self._next])
+                if self.arrival[first] > starts[k - 1]:
+                    first = None
+            if first is not None:
+                hit = np.flatnonzero(starts[:k] - self.arrival[first] > cfg.queue_timeout_s)
+                if len(hit):
+                    k = int(hit[0])
+                    if k <= 0:
+                        return 0.0
+        # Σ_r min(filled0_r + j, final_r) = Σ filled0 + Σ_r min(j, remaining_r)
+        rem = np.sort(remaining)
+        below = np.searchsorted(rem, steps[:k], side="left")
+        rem_cum = np.concatenate(([0], np.cumsum(rem)))
+        token_states = int(filled0.sum()) + rem_cum[below] + steps[:k] * (n - below)
+        pulled = np.searchsorted(self.arrival, starts[:k], side="right")
+        waiting = len(self.waiting) + self.servable_cum[pulled] - self.servable_cum[self._next]
+        self.rec.record_steps(self.now, dts[:k], token_states,
+                              np.full(k, self.owned_total), np.full(k, self.internal_total),
+                              np.full(k, self.alloc.largest_allocatable()), n, waiting)
+        self.now = float(starts[k])
+        self.g += k
+        self.num_steps += k
+        return float(dts[:k].sum())
+
+    # ------------------------------------------------------------------ driver
+
+    def _idle_until_next_arrival(self) -> float:
+        nxt = self._next
+        if nxt >= self.N:
+            return 0.0
+        target = float(self.arrival[nxt])
+        dt = target - self.now
+        if dt > 0:
+            self.rec.record(self.now, dt, 0, self.owned_total, self.internal_total,
+                            self.alloc.largest_allocatable(), 0, len(self.waiting))
+        self.now = target
+        return dt
+
+    def _process(self, env: simpy.Environment):  # type: ignore[no-untyped-def]
+        static = self.cfg.batching == "static"
+        step, jump = (self._static_step, self._static_jump) if static else (self._step, self._jump)
+        while self.num_done < self.N:
+            dt = jump() or step()
+            if not dt:
+                busy = self._num_running() or self.waiting or self.swapped
+                if busy and self._next >= self.N:
+                    raise RuntimeError(
+                        f"scheduler stalled at t={self.now:.3f}s with {len(self.waiting)} waiting and "
+                        f"nothing running; this is a bug (please report the configuration)")
+                dt = self._idle_until_next_arrival()
+                if not dt and not busy:
+                    continue
+            self.num_events += 1
+            yield env.timeout(max(0.0, self.now - env.now))
+
+    def _check(self) -> None:
+        """Recompute the split from per-sequence state and the allocator (slow; tests)."""
+        b, g = self.batch, self.g
+        owned = int(b.owned[: b.n].sum()) + sum(p.owned for p in self.prefilling)
+        internal = int(np.maximum(0, b.owned[: b.n] - b.final[: b.n]).sum()) \
+            + sum(max(0, p.owned - int(self.final[p.req])) for p in self.prefilling)
+        assert owned == self.owned_total, (owned, self.owned_total)
+        assert internal == self.internal_total, (internal, self.internal_total)
+        assert self.capacity - owned == self.alloc.num_free()
+        for row in range(b.n):
+            req = int(b.req[row])
+            assert self.alloc.num_owned(req) == b.owned[row]
+            assert int(b.offset[row]) + g <= b.final[row] or self.cfg.batching == "static"
+        self.alloc.check()
+
+    def run(self) -> Engine:
+        env = simpy.Environment(initial_time=self.now)
+        env.process(self._process(env))
+        env.run()
+        if self.progress is not None:
+            self.progress(self.num_done)
+        return self

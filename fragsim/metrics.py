@@ -1,0 +1,220 @@
+"""Where the KV memory goes, integrated exactly over time.
+
+For each sequence ``r`` holding KV memory::
+
+    filled(r)  tokens whose KV is stored
+    owned(r)   slots it holds (after the allocator's rounding)
+    final(r)   prompt + output length: what it will have stored when it finishes
+
+and over the pool of ``capacity`` slots::
+
+    token_states   = Σ filled(r)
+    internal       = Σ max(0, owned(r) − final(r))      owned slots it will never fill
+    reservation    = Σ owned(r) − filled(r) − internal  owned slots it will fill later
+    free           = capacity − Σ owned(r)
+
+    token_states + reservation + internal + free == capacity      (exact, always)
+
+The identity holds by construction; what can go wrong is the bookkeeping behind
+it, so :meth:`Recorder.record` checks the parts against each other and against
+the allocator (``free`` must equal the allocator's own count, every part >= 0).
+
+The engine reports piecewise-constant states: "from ``t`` for ``dt`` seconds the
+pool looked like this". Averages are the exact time integrals divided by the
+span, peaks the maxima over states held for a positive time. A stretch of many
+steps arrives as arrays (:meth:`Recorder.record_steps`), a single state as
+scalars; both feed the same accumulators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: quantities integrated over time, in this order in every array and table
+QUANTITIES = ("token_states", "reservation", "internal_fragmentation", "free",
+              "external_fragmentation_ratio", "largest_allocatable", "running", "waiting")
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    token_states: int
+    reservation: int
+    internal_fragmentation: int
+    free: int
+
+    @property
+    def capacity(self) -> int:
+        return self.token_states + self.reservation + self.internal_fragmentation + self.free
+
+
+def breakdown(capacity: int, seqs: Iterable[tuple[int, int, int]]) -> Breakdown:
+    """The four-way split from per-sequence ``(filled, owned, final)``."""
+    token = owned_total = internal = 0
+    for filled, owned, final in seqs:
+        if not 0 <= filled <= owned:
+            raise AssertionError(f"need 0 <= filled <= owned, got filled={filled} owned={owned}")
+        if filled > final:
+            raise AssertionError(f"filled {filled} exceeds final length {final}")
+        token += filled
+        owned_total += owned
+        internal += max(0, owned - final)
+    return Breakdown(token, owned_total - token - internal, internal, capacity - owned_total)
+
+
+def external_fragmentation_ratio(free: int | np.ndarray, largest: int | np.ndarray) -> Any:
+    """``1 − largest_allocatable / free``; 0 when nothing is free (seed 004's formula)."""
+    free_arr = np.asarray(free, dtype=np.float64)
+    largest_arr = np.asarray(largest, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(free_arr > 0, 1.0 - largest_arr / np.where(free_arr > 0, free_arr, 1.0), 0.0)
+    return ratio if ratio.ndim else float(ratio)
+
+
+@dataclass
+class Counters:
+    """Events counted over a run. Blocked admissions count distinct requests."""
+
+    num_refused_too_long: int = 0        # prompt + output > max_seq_len
+    num_refused_too_large: int = 0       # could never fit the pool, even empty
+    num_refused_timeout: int = 0         # waited past --queue-timeout (the seeds' 503)
+    num_truncated: int = 0               # prompts cut to fit max_seq_len
+    num_blocked_fragmentation: int = 0   # free >= need, but no placement fits
+    num_blocked_capacity: int = 0        # free < need
+    num_blocked_batch_limit: int = 0     # max_num_seqs / max_num_batched_tokens
+    num_preemptions_recompute: int = 0
+    num_preemptions_swap: int = 0
+
+    @property
+    def num_refused(self) -> int:
+        return self.num_refused_too_long + self.num_refused_too_large + self.num_refused_timeout
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_recompute + self.num_preemptions_swap
+
+    def to_dict(self) -> dict[str, int]:
+        out = {k: int(v) for k, v in self.__dict__.items()}
+        out["num_refused"] = self.num_refused
+        out["num_preemptions"] = self.num_preemptions
+        return out
+
+
+@dataclass
+class Recorder:
+    """Accumulates time integrals, peaks and a time-bucketed series of the split.
+
+    ``resolution_s`` is the width of a time-series bucket (``None``: no series).
+    ``free_probe`` (usually ``allocator.num_free``) is compared with the recorded
+    free count on every scalar record, so engine and allocator cannot drift apart.
+    """
+
+    capacity: int
+    resolution_s: float | None = 1.0
+    free_probe: Any = None
+    counters: Counters = field(default_factory=Counters)
+
+    def __post_init__(self) -> None:
+        n = len(QUANTITIES)
+        self._integral = np.zeros(n)
+        self._peak = np.zeros(n)
+        self._span = 0.0
+        self._t_first: float | None = None
+        self._t_last = 0.0
+        self._num_intervals = 0
+        self._buckets: dict[int, np.ndarray] = {}
+
+    # -- input -----------------------------------------------------------------
+
+    def record(self, t: float, dt: float, token_states: int, owned: int, internal: int,
+               largest: int, running: int, waiting: int) -> None:
+        """One state held from ``t`` for ``dt`` seconds."""
+        free = self.capacity - owned
+        reservation = owned - token_states - internal
+        if token_states < 0 or internal < 0 or reservation < 0 or free < 0:
+            raise AssertionError(
+                f"broken split at t={t}: token_states={token_states} reservation={reservation} "
+                f"internal={internal} free={free} (capacity {self.capacity})")
+        if self.free_probe is not None and self.free_probe() != free:
+            raise AssertionError(f"at t={t}: recorder free={free} but allocator free={self.free_probe()}")
+        if largest > free:
+            raise AssertionError(f"at t={t}: largest allocatable {largest} exceeds free {free}")
+        self.record_steps(t, np.array([dt]), np.array([token_states]), np.array([owned]),
+                          np.array([internal]), np.array([largest]), running, np.array([waiting]))
+
+    def record_steps(self, t0: float, dts: np.ndarray, token_states: np.ndarray, owned: np.ndarray,
+                     internal: np.ndarray, largest: np.ndarray, running: int | np.ndarray,
+                     waiting: np.ndarray) -> None:
+        """Consecutive states: state ``j`` starts at ``t0 + Σ dts[:j]`` and lasts ``dts[j]``."""
+        if len(dts) == 0:
+            return
+        free = self.capacity - owned
+        reservation = owned - token_states - internal
+        ratio = external_fragmentation_ratio(free, largest)
+        values = np.vstack([
+            np.asarray(token_states, dtype=np.float64), reservation.astype(np.float64),
+            np.asarray(internal, dtype=np.float64), free.astype(np.float64), ratio,
+            np.asarray(largest, dtype=np.float64),
+            np.broadcast_to(np.asarray(running, dtype=np.float64), dts.shape),
+            np.asarray(waiting, dtype=np.float64),
+        ])
+        held = dts > 0
+        if not held.any():
+            return
+        self._integral += values @ dts
+        self._peak = np.maximum(self._peak, values[:, held].max(axis=1))
+        total = float(dts.sum())
+        if self._t_first is None:
+            self._t_first = t0
+        self._span += total
+        self._t_last = t0 + total
+        self._num_intervals += int(held.sum())
+        if self.resolution_s is not None:
+            self._bucket(t0, dts, values)
+
+    def _bucket(self, t0: float, dts: np.ndarray, values: np.ndarray) -> None:
+        starts = t0 + np.concatenate(([0.0], np.cumsum(dts)[:-1]))
+        index = (starts // self.resolution_s).astype(np.int64)
+        for b in np.unique(index):
+            sel = index == b
+            acc = self._buckets.get(int(b))
+            row = np.concatenate(([dts[sel].sum()], values[:, sel] @ dts[sel], values[:, sel].max(axis=1)))
+            if acc is None:
+                self._buckets[int(b)] = row
+            else:
+                n = len(QUANTITIES) + 1
+                acc[:n] += row[:n]
+                acc[n:] = np.maximum(acc[n:], row[n:])
+
+    # -- output ----------------------------------------------------------------
+
+    @property
+    def span_s(self) -> float:
+        return self._span
+
+    def means(self) -> dict[str, float]:
+        if self._span <= 0:
+            return {q: 0.0 for q in QUANTITIES}
+        return {q: float(v / self._span) for q, v in zip(QUANTITIES, self._integral, strict=True)}
+
+    def peaks(self) -> dict[str, float]:
+        return {q: float(v) for q, v in zip(QUANTITIES, self._peak, strict=True)}
+
+    def timeseries(self) -> dict[str, np.ndarray]:
+        """Per bucket: start time, time covered, time-weighted mean and max of each quantity."""
+        keys = sorted(self._buckets)
+        n = len(QUANTITIES)
+        rows = np.array([self._buckets[k] for k in keys]) if keys else np.zeros((0, 2 * n + 1))
+        covered = rows[:, 0] if len(rows) else np.zeros(0)
+        out: dict[str, np.ndarray] = {
+            "time_s": np.array(keys, dtype=np.float64) * (self.resolution_s or 0.0),
+            "covered_s": covered,
+        }
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for i, q in enumerate(QUANTITIES):
+                out[f"{q}"] = np.where(covered > 0, rows[:, 1 + i] / np.where(covered > 0, covered, 1), 0.0)
+                out[f"{q}_max"] = rows[:, 1 + n + i]
+        return out
