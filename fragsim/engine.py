@@ -44,13 +44,14 @@ from dataclasses import dataclass
 import numpy as np
 import simpy
 
-from fragsim.allocators import Allocator, reserve_slots
+from fragsim.allocators import Allocator, Extent, reserve_slots
 from fragsim.batch import DecodeBatch
 from fragsim.costmodel import CostModel
 from fragsim.metrics import Recorder
 
 # Request status codes in the per-request arrays.
 PENDING, WAITING, RUNNING, SWAPPED, FINISHED, REFUSED = range(6)
+STATUS_NAMES = ["pending", "waiting", "running", "swapped", "finished", "refused"]
 REFUSE_TOO_LONG, REFUSE_TOO_LARGE, REFUSE_TIMEOUT = 1, 2, 3
 REFUSE_REASONS = {0: "", REFUSE_TOO_LONG: "too_long", REFUSE_TOO_LARGE: "too_large",
                   REFUSE_TIMEOUT: "timeout"}
@@ -78,6 +79,8 @@ class EngineConfig:
     check: bool = False                  # recompute the split from per-sequence state each step
     timeseries_resolution_s: float | None = 1.0
     max_jump_steps: int = 4096
+    address_map_interval_s: float | None = None  # sample slot owners this often (figures)
+    address_map_bins: int = 512
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -160,6 +163,9 @@ class Engine:
         self.num_done = 0
         self._quiet = False
         self._static_running = False
+        self._map_next = self.now
+        self._map_times: list[float] = []
+        self._map_rows: list[np.ndarray] = []
 
     # ------------------------------------------------------------------ setup
 
@@ -210,7 +216,15 @@ class Engine:
     def _refuse(self, req: int, reason: int) -> None:
         self.status[req] = REFUSED
         self.refused[req] = reason
+        self.finish[req] = self.now
         self.num_done += 1
+        c = self.rec.counters
+        if reason == REFUSE_TOO_LONG:
+            c.num_refused_too_long += 1
+        elif reason == REFUSE_TOO_LARGE:
+            c.num_refused_too_large += 1
+        else:
+            c.num_refused_timeout += 1
 
     def _pull_arrivals(self) -> None:
         arrival, now = self.arrival, self.now
@@ -643,7 +657,35 @@ class Engine:
                 if not dt and not busy:
                     continue
             self.num_events += 1
+            if self.cfg.address_map_interval_s is not None and self.now >= self._map_next:
+                self._sample_address_map()
             yield env.timeout(max(0.0, self.now - env.now))
+
+    def _sample_address_map(self) -> None:
+        """Which request owns each slot now, binned to ``address_map_bins`` rows (-1: free)."""
+        cap = self.capacity
+        owner = np.full(cap, -1, dtype=np.int64)
+        for seq in self.alloc.seq_ids():
+            place = self.alloc.placement(seq)
+            if isinstance(place, Extent):
+                owner[place.offset: place.offset + place.length] = seq
+            else:
+                bs = place.block_size
+                for block in place.block_ids:
+                    owner[block * bs: (block + 1) * bs] = seq
+        bins = min(cap, self.cfg.address_map_bins)
+        self._map_times.append(self.now)
+        self._map_rows.append(owner[(np.arange(bins) * cap) // bins])
+        interval = self.cfg.address_map_interval_s or 1.0
+        self._map_next = self.now + interval
+
+    def address_map(self) -> dict[str, np.ndarray] | None:
+        """Sampled slot owners: ``time_s`` [T], ``owner`` [T, bins], ``slot`` [bins]."""
+        if not self._map_times:
+            return None
+        bins = len(self._map_rows[0])
+        return {"time_s": np.array(self._map_times), "owner": np.vstack(self._map_rows),
+                "slot": (np.arange(bins) * self.capacity) // bins}
 
     def _check(self) -> None:
         """Recompute the split from per-sequence state and the allocator (slow; tests)."""

@@ -119,13 +119,11 @@ class Recorder:
 
     def __post_init__(self) -> None:
         n = len(QUANTITIES)
-        self._integral = np.zeros(n)
-        self._peak = np.zeros(n)
+        self._integral = [0.0] * n
+        self._peak = [0.0] * n
         self._span = 0.0
-        self._t_first: float | None = None
-        self._t_last = 0.0
         self._num_intervals = 0
-        self._buckets: dict[int, np.ndarray] = {}
+        self._buckets: dict[int, list[float]] = {}
 
     # -- input -----------------------------------------------------------------
 
@@ -142,52 +140,69 @@ class Recorder:
             raise AssertionError(f"at t={t}: recorder free={free} but allocator free={self.free_probe()}")
         if largest > free:
             raise AssertionError(f"at t={t}: largest allocatable {largest} exceeds free {free}")
-        self.record_steps(t, np.array([dt]), np.array([token_states]), np.array([owned]),
-                          np.array([internal]), np.array([largest]), running, np.array([waiting]))
+        if dt <= 0:
+            return
+        ratio = 1.0 - largest / free if free > 0 else 0.0
+        values = (token_states, reservation, internal, free, ratio, largest, running, waiting)
+        self._add(t, dt, [v * dt for v in values], values)
 
     def record_steps(self, t0: float, dts: np.ndarray, token_states: np.ndarray, owned: np.ndarray,
-                     internal: np.ndarray, largest: np.ndarray, running: int | np.ndarray,
+                     internal: np.ndarray, largest: np.ndarray, running: int,
                      waiting: np.ndarray) -> None:
         """Consecutive states: state ``j`` starts at ``t0 + Σ dts[:j]`` and lasts ``dts[j]``."""
         if len(dts) == 0:
             return
         free = self.capacity - owned
         reservation = owned - token_states - internal
+        if int(reservation.min()) < 0 or int(free.min()) < 0 or int((free - largest).min()) < 0:
+            raise AssertionError(f"broken split in the stretch starting at t={t0}")
         ratio = external_fragmentation_ratio(free, largest)
-        values = np.vstack([
-            np.asarray(token_states, dtype=np.float64), reservation.astype(np.float64),
-            np.asarray(internal, dtype=np.float64), free.astype(np.float64), ratio,
-            np.asarray(largest, dtype=np.float64),
-            np.broadcast_to(np.asarray(running, dtype=np.float64), dts.shape),
-            np.asarray(waiting, dtype=np.float64),
-        ])
-        held = dts > 0
-        if not held.any():
-            return
-        self._integral += values @ dts
-        self._peak = np.maximum(self._peak, values[:, held].max(axis=1))
-        total = float(dts.sum())
-        if self._t_first is None:
-            self._t_first = t0
-        self._span += total
-        self._t_last = t0 + total
-        self._num_intervals += int(held.sum())
+        columns = (token_states, reservation, internal, free, ratio, largest)
+        integrals = [float(np.dot(c, dts)) for c in columns]
+        span = float(dts.sum())
+        integrals += [running * span, float(np.dot(waiting, dts))]
+        peaks = [float(c.max()) for c in columns] + [running, float(np.max(waiting))]
         if self.resolution_s is not None:
-            self._bucket(t0, dts, values)
+            first = int(t0 // self.resolution_s)
+            if int((t0 + span) // self.resolution_s) != first:
+                # Spans several buckets: attribute each step to the bucket it starts in.
+                starts = t0 + np.concatenate(([0.0], np.cumsum(dts)[:-1]))
+                index = (starts // self.resolution_s).astype(np.int64)
+                full = np.vstack([np.asarray(c, dtype=np.float64) for c in columns]
+                                 + [np.full(len(dts), float(running)), np.asarray(waiting, dtype=np.float64)])
+                for b in np.unique(index).tolist():
+                    sel = index == b
+                    part = dts[sel]
+                    self._bucket_add(b, float(part.sum()), (full[:, sel] @ part).tolist(),
+                                     full[:, sel].max(axis=1).tolist())
+                self._add(t0, span, integrals, peaks, bucket=False)
+                return
+        self._add(t0, span, integrals, peaks)
 
-    def _bucket(self, t0: float, dts: np.ndarray, values: np.ndarray) -> None:
-        starts = t0 + np.concatenate(([0.0], np.cumsum(dts)[:-1]))
-        index = (starts // self.resolution_s).astype(np.int64)
-        for b in np.unique(index):
-            sel = index == b
-            acc = self._buckets.get(int(b))
-            row = np.concatenate(([dts[sel].sum()], values[:, sel] @ dts[sel], values[:, sel].max(axis=1)))
-            if acc is None:
-                self._buckets[int(b)] = row
-            else:
-                n = len(QUANTITIES) + 1
-                acc[:n] += row[:n]
-                acc[n:] = np.maximum(acc[n:], row[n:])
+    def _add(self, t0: float, span: float, integrals: list[float], peaks: Any,
+             bucket: bool = True) -> None:
+        acc, top = self._integral, self._peak
+        for i, v in enumerate(integrals):
+            acc[i] += v
+        for i, v in enumerate(peaks):
+            if v > top[i]:
+                top[i] = v
+        self._span += span
+        self._num_intervals += 1
+        if bucket and self.resolution_s is not None:
+            self._bucket_add(int(t0 // self.resolution_s), span, integrals, peaks)
+
+    def _bucket_add(self, b: int, span: float, integrals: list[float], peaks: Any) -> None:
+        n = len(QUANTITIES)
+        row = self._buckets.get(b)
+        if row is None:
+            self._buckets[b] = [span, *integrals, *peaks]
+            return
+        row[0] += span
+        for i in range(n):
+            row[1 + i] += integrals[i]
+            if peaks[i] > row[1 + n + i]:
+                row[1 + n + i] = peaks[i]
 
     # -- output ----------------------------------------------------------------
 
@@ -198,7 +213,7 @@ class Recorder:
     def means(self) -> dict[str, float]:
         if self._span <= 0:
             return {q: 0.0 for q in QUANTITIES}
-        return {q: float(v / self._span) for q, v in zip(QUANTITIES, self._integral, strict=True)}
+        return {q: v / self._span for q, v in zip(QUANTITIES, self._integral, strict=True)}
 
     def peaks(self) -> dict[str, float]:
         return {q: float(v) for q, v in zip(QUANTITIES, self._peak, strict=True)}

@@ -1,0 +1,232 @@
+"""Run outputs: the comparison table, the results folder, the figures.
+
+A results folder is written whole or not at all: everything goes to a hidden
+sibling folder first, which is renamed into place at the end, so an interrupted
+run never leaves a half-written ``results/<run-id>/``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+SPLIT = ("token_states", "reservation", "internal_fragmentation", "free")
+SPLIT_LABELS = {"token_states": "token states", "reservation": "reservation",
+                "internal_fragmentation": "internal frag.", "free": "free / external"}
+SPLIT_COLORS = {"token_states": "#2b6cb0", "reservation": "#f6ad55",
+                "internal_fragmentation": "#e53e3e", "free": "#cbd5e0"}
+
+
+def run_id(config: dict[str, Any]) -> str:
+    digest = hashlib.sha1(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:8]
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + digest
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
+def clean_json(value: Any) -> Any:
+    """NaN/inf become null: JSON has no spelling for them."""
+    if isinstance(value, dict):
+        return {k: clean_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [clean_json(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(clean_json(value), default=_json_default, allow_nan=False)
+
+
+def write_results(out_root: Path, config: dict[str, Any], results: Sequence[Any],
+                  plot: bool = False) -> Path:
+    """Write ``out_root/<run-id>/`` atomically; returns the final folder."""
+    out_root.mkdir(parents=True, exist_ok=True)
+    rid = run_id(config)
+    final = out_root / rid
+    tmp = Path(tempfile.mkdtemp(prefix=f".{rid}-", dir=out_root))
+    try:
+        (tmp / "config.json").write_text(json.dumps(clean_json(config), indent=2, default=_json_default) + "\n")
+        summaries = [r.summary for r in results]
+        (tmp / "summary.json").write_text(
+            json.dumps(clean_json(summaries), indent=2, default=_json_default) + "\n")
+        for r in results:
+            r.requests.to_parquet(tmp / f"requests-{r.allocator}.parquet", index=False)
+            r.timeseries.to_parquet(tmp / f"timeseries-{r.allocator}.parquet", index=False)
+        if plot:
+            plot_split_bars(summaries, tmp / "memory_split.png")
+            plot_split_over_time(results, tmp / "memory_over_time.png")
+            maps = [r for r in results if r.address_map is not None]
+            if maps:
+                plot_address_maps(maps, tmp / "address_map.png")
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+# ------------------------------------------------------------------ tables
+
+def comparison_table(summaries: Sequence[dict[str, Any]], title: str) -> Any:
+    """A rich table: one row per allocator, the four-way split and what follows from it."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    columns = [
+        ("allocator", "allocator", "left"),
+        ("token states", "token_states_frac", "pct"),
+        ("reserved", "reservation_frac", "pct"),
+        ("internal", "internal_fragmentation_frac", "pct"),
+        ("free", "free_frac", "pct"),
+        ("ext. frag mean/peak", None, "ext"),
+        ("running mean/peak", None, "run"),
+        ("blocked frag/cap", None, "blocked"),
+        ("preempt", "num_preemptions", "int"),
+        ("refused", "num_refused", "int"),
+        ("tok/s", "throughput_tokens_per_s", "f1"),
+        ("TTFT s mean/p99", None, "ttft"),
+        ("norm. latency s/tok", "mean_normalized_latency_s", "f3"),
+    ]
+    for header, _, kind in columns:
+        table.add_column(header, justify="left" if kind == "left" else "right", no_wrap=kind != "left")
+    for s in summaries:
+        row = []
+        for _, key, kind in columns:
+            if kind == "left":
+                row.append(str(s[key]))
+            elif kind == "pct":
+                row.append(f"{100 * s[key]:.1f}%")
+            elif kind == "int":
+                row.append(f"{s[key]:,}")
+            elif kind == "f1":
+                row.append(f"{s[key]:,.1f}")
+            elif kind == "f3":
+                row.append(_num(s[key], 3))
+            elif kind == "ext":
+                row.append(f"{100 * s['mean_external_fragmentation_ratio']:.1f}% / "
+                           f"{100 * s['peak_external_fragmentation_ratio']:.0f}%")
+            elif kind == "run":
+                row.append(f"{s['mean_running']:.1f} / {s['peak_running']:.0f}")
+            elif kind == "blocked":
+                row.append(f"{s['num_blocked_fragmentation']:,} / {s['num_blocked_capacity']:,}")
+            elif kind == "ttft":
+                row.append(f"{_num(s['mean_ttft_s'], 2)} / {_num(s['p99_ttft_s'], 2)}")
+        table.add_row(*row)
+    return table
+
+
+def _num(value: float, digits: int) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:,.{digits}f}"
+
+
+# ------------------------------------------------------------------ figures
+
+def _savefig(fig: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=130, bbox_inches="tight")
+    os.replace(tmp, path)
+
+
+def plot_split_bars(summaries: Sequence[dict[str, Any]], path: Path, title: str | None = None) -> None:
+    """The vLLM paper's Figure 2: KV memory split per allocator, as stacked bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s["allocator"] for s in summaries]
+    fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2.5, 4.0))
+    bottom = np.zeros(len(names))
+    for q in SPLIT:
+        vals = np.array([100 * s[f"{q}_frac"] for s in summaries])
+        bars = ax.bar(names, vals, bottom=bottom, color=SPLIT_COLORS[q], label=SPLIT_LABELS[q],
+                      edgecolor="white", linewidth=0.5)
+        for rect, v, b in zip(bars, vals, bottom, strict=True):
+            if v >= 6:
+                ax.text(rect.get_x() + rect.get_width() / 2, b + v / 2, f"{v:.1f}",
+                        ha="center", va="center", fontsize=8, color="white" if q != "free" else "black")
+        bottom += vals
+    ax.set_ylabel("KV cache memory (%), time-weighted mean")
+    ax.set_ylim(0, 100)
+    ax.set_title(title or "Where the KV cache memory goes")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    _savefig(fig, path)
+    plt.close(fig)
+
+
+def plot_split_over_time(results: Sequence[Any], path: Path) -> None:
+    """The four-way split over time, one panel per allocator (stacked areas)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(results)
+    fig, axes = plt.subplots(n, 1, figsize=(9, 1.9 * n + 0.6), sharex=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], results, strict=True):
+        ts: pd.DataFrame = r.timeseries
+        cap = r.summary["capacity_slots"]
+        ys = [100 * ts[q].to_numpy() / cap for q in SPLIT]
+        ax.stackplot(ts["time_s"], *ys, colors=[SPLIT_COLORS[q] for q in SPLIT],
+                     labels=[SPLIT_LABELS[q] for q in SPLIT], step="post")
+        ax2 = ax.twinx()
+        ax2.plot(ts["time_s"], ts["running"], color="black", linewidth=0.7, label="running")
+        ax2.set_ylabel("running", fontsize=8)
+        ax.set_ylim(0, 100)
+        ax.set_ylabel(f"{r.allocator}\n% of pool", fontsize=8)
+    axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.08, 1.0), frameon=False, fontsize=8)
+    axes[-1, 0].set_xlabel("simulated time (s)")
+    fig.suptitle("KV memory over time")
+    _savefig(fig, path)
+    plt.close(fig)
+
+
+def plot_address_maps(results: Sequence[Any], path: Path) -> None:
+    """Time × slot, each owner its own colour, free slots white: external fragmentation shows
+    as white stripes between coloured bands that no waiting request fits into."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    n = len(results)
+    fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1, 4.2), sharey=False, squeeze=False)
+    rng = np.random.default_rng(0)
+    palette = ListedColormap(np.vstack([[1, 1, 1, 1], plt.cm.tab20(rng.permutation(20) % 20)]))
+    for ax, r in zip(axes[0], results, strict=True):
+        amap = r.address_map
+        owner = amap["owner"]
+        color = np.where(owner < 0, 0, 1 + owner % 20)
+        t = amap["time_s"]
+        ax.imshow(color.T, aspect="auto", origin="lower", cmap=palette, vmin=0, vmax=20,
+                  interpolation="nearest",
+                  extent=(float(t[0]), float(t[-1]) if len(t) > 1 else float(t[0]) + 1, 0,
+                          r.summary["capacity_slots"]))
+        ax.set_title(r.allocator, fontsize=9)
+        ax.set_xlabel("time (s)")
+    axes[0, 0].set_ylabel("slot (address)")
+    fig.suptitle("Address space over time (white = free)")
+    _savefig(fig, path)
+    plt.close(fig)

@@ -1,0 +1,270 @@
+"""One simulation, as a library call: a workload, a model on a GPU, an allocator.
+
+    >>> from fragsim.simulate import RunSpec, load_workload, simulate
+    >>> spec = RunSpec(trace="azure-conv", num_requests=200)
+    >>> result = simulate(load_workload(spec), "vllm", spec)
+    >>> result.summary["token_states_frac"]            # doctest: +SKIP
+
+``RunSpec`` holds every parameter of a run (it is what ``config.json`` stores);
+``simulate`` builds the allocator, cost model and engine from it, runs, and
+returns the summary row, the per-request table and the time series.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from fragsim import __version__
+from fragsim.allocators import PRESETS, create
+from fragsim.engine import (
+    FINISHED,
+    REFUSE_REASONS,
+    STATUS_NAMES,
+    Engine,
+    EngineConfig,
+)
+from fragsim.errors import FragsimError
+
+DEFAULT_ALLOCATORS = ("ft-static", "orca-max", "orca-pow2", "orca-oracle", "vllm")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a run depends on. Defaults: the vLLM paper's OPT-13B on one A100-40GB."""
+
+    trace: str = "azure-conv"
+    model: str = "opt-13b"
+    gpu: str = "a100-40gb"
+    tp: int = 1
+    catalog: str | None = None
+    reserve: str | None = None            # override the allocator's reservation policy
+    block_size: int = 16
+    fit: str = "first"                    # contiguous placement
+    max_seq_len: int = 2048
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_slots: int | None = None           # override the pool size
+    batching: str = "continuous"
+    preemption: str = "recompute"
+    swap_space_gb: float = 4.0
+    queue_timeout_s: float | None = None
+    truncate_prompts: bool = False
+    cost_model: str = "roofline"
+    step_time_s: float = 0.02
+    rate: float | None = None             # re-time arrivals at this many requests/s
+    arrival: str = "poisson"
+    cv: float = 1.0
+    num_requests: int | None = None
+    time_window_s: tuple[float, float] | None = None
+    seed: int = 0
+    exact_steps: bool = False
+    timeseries_resolution_s: float | None = None  # None: about 500 points over the trace
+    address_map: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["time_window_s"] = list(self.time_window_s) if self.time_window_s else None
+        return out
+
+
+@dataclass
+class RunResult:
+    allocator: str
+    summary: dict[str, Any]
+    requests: pd.DataFrame
+    timeseries: pd.DataFrame
+    address_map: dict[str, Any] | None = field(default=None)
+
+
+def load_workload(spec: RunSpec) -> Any:
+    """The trace a spec names, sliced and re-timed as it asks."""
+    from fragsim.traces import WORKLOADS, assign_arrivals, load_trace, make_workload, slice_trace
+
+    if spec.trace in WORKLOADS:
+        if spec.rate is None:
+            raise FragsimError(f"workload {spec.trace!r} needs --rate (requests/s) for its arrivals")
+        return make_workload(spec.trace, spec.num_requests or 1000, spec.rate, seed=spec.seed,
+                             arrival=spec.arrival, cv=spec.cv)
+    trace = load_trace(spec.trace)
+    if spec.time_window_s is not None:
+        start, end = spec.time_window_s
+        trace = slice_trace(trace, start_s=start, end_s=end)
+    if spec.num_requests is not None:
+        trace = slice_trace(trace, num_requests=spec.num_requests)
+    if spec.rate is not None:
+        trace = assign_arrivals(trace, spec.rate, arrival=spec.arrival, cv=spec.cv, seed=spec.seed)
+    elif not trace.has_timestamps:
+        raise FragsimError(
+            f"{trace.name} has lengths but no arrival times; give --rate (requests/s) "
+            "and optionally --arrival poisson|gamma --cv X")
+    return trace
+
+
+def _model_gpu(spec: RunSpec) -> tuple[Any, Any]:
+    from fragsim.catalog import get_gpu, get_model
+
+    return get_model(spec.model, catalog=spec.catalog), get_gpu(spec.gpu, catalog=spec.catalog)
+
+
+def pool_slots(spec: RunSpec) -> int:
+    """KV pool size: ``--kv-slots`` or the budget vLLM would compute."""
+    if spec.kv_slots is not None:
+        if spec.kv_slots < 1:
+            raise FragsimError(f"--kv-slots must be >= 1, got {spec.kv_slots}")
+        return spec.kv_slots
+    from fragsim.capacity import kv_budget_slots
+
+    model, gpu = _model_gpu(spec)
+    return kv_budget_slots(model, gpu, tp=spec.tp, gpu_memory_utilization=spec.gpu_memory_utilization,
+                           max_num_batched_tokens=spec.max_num_batched_tokens)
+
+
+def make_allocator(name: str, capacity: int, spec: RunSpec) -> Any:
+    placement = PRESETS[name][0] if name in PRESETS else name
+    options: dict[str, Any] = {"max_seq_len": spec.max_seq_len}
+    if placement == "paged":
+        if name not in PRESETS or spec.block_size != 16:
+            options["block_size"] = spec.block_size
+    if placement == "contiguous":
+        options["fit"] = spec.fit
+    if placement == "static":
+        options["max_num_seqs"] = spec.max_num_seqs
+    if spec.reserve is not None and placement not in ("paged",) and name not in PRESETS:
+        options["reserve"] = spec.reserve
+    try:
+        return create(name, capacity, **options)
+    except ValueError as exc:
+        raise FragsimError(str(exc)) from None
+
+
+def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
+                progress: Callable[[int], None] | None = None, check: bool = False) -> Engine:
+    from fragsim.costmodel import make_cost_model
+
+    model, gpu = _model_gpu(spec)
+    capacity = pool_slots(spec)
+    allocator = make_allocator(allocator_name, capacity, spec)
+    try:
+        cost = make_cost_model(spec.cost_model, model=model, gpu=gpu, tp=spec.tp,
+                               step_time=spec.step_time_s)
+        kv_per_gpu = model.kv_bytes_per_token_per_gpu(spec.tp)
+        resolution = spec.timeseries_resolution_s
+        if resolution is None:
+            span = float(trace.arrival_s[-1]) if len(trace) else 1.0
+            resolution = max(span / 500.0, 0.1)
+        config = EngineConfig(
+            max_seq_len=spec.max_seq_len, max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens, batching=spec.batching,
+            preemption=spec.preemption,
+            swap_space_slots=int(spec.swap_space_gb * 2**30 // kv_per_gpu),
+            swap_bandwidth=gpu.pcie_bandwidth, kv_bytes_per_token=kv_per_gpu,
+            queue_timeout_s=spec.queue_timeout_s, truncate_prompts=spec.truncate_prompts,
+            exact_steps=spec.exact_steps, check=check, timeseries_resolution_s=resolution,
+            address_map_interval_s=(resolution * 4 if spec.address_map else None),
+        )
+    except ValueError as exc:
+        raise FragsimError(str(exc)) from None
+    return Engine(trace, allocator, cost, config, progress=progress)
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else math.nan
+
+
+def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
+              kv_bytes_per_token: int) -> tuple[dict[str, Any], pd.DataFrame]:
+    """The summary row (the ``--json`` keys) and the per-request table of a finished run."""
+    rec = engine.rec
+    means, peaks = rec.means(), rec.peaks()
+    cap = engine.capacity
+    done = engine.status == FINISHED
+    arrival = engine.arrival
+    ttft = engine.first_token - arrival
+    e2e = engine.finish - arrival
+    out_len = engine.output.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(out_len > 1, (engine.finish - engine.first_token) / (out_len - 1), np.nan)
+    span = rec.span_s
+    out_tokens = int(engine.output[done].sum())
+    counters = rec.counters.to_dict()
+    summary: dict[str, Any] = {
+        "allocator": allocator_name,
+        "num_requests": engine.N,
+        "num_finished": int(done.sum()),
+        **counters,
+        "capacity_slots": cap,
+        "capacity_bytes": cap * kv_bytes_per_token,
+        "kv_bytes_per_token": kv_bytes_per_token,
+    }
+    for q in ("token_states", "reservation", "internal_fragmentation", "free"):
+        summary[f"mean_{q}_slots"] = means[q]
+    for q in ("token_states", "reservation", "internal_fragmentation", "free"):
+        summary[f"{q}_frac"] = means[q] / cap if cap else 0.0
+    for q in ("token_states", "reservation", "internal_fragmentation"):
+        summary[f"peak_{q}_slots"] = peaks[q]
+    summary.update({
+        "mean_external_fragmentation_ratio": means["external_fragmentation_ratio"],
+        "peak_external_fragmentation_ratio": peaks["external_fragmentation_ratio"],
+        "mean_largest_allocatable_slots": means["largest_allocatable"],
+        "mean_running": means["running"],
+        "peak_running": peaks["running"],
+        "mean_waiting": means["waiting"],
+        "peak_waiting": peaks["waiting"],
+        "throughput_tokens_per_s": out_tokens / span if span > 0 else 0.0,
+        "throughput_total_tokens_per_s":
+            (out_tokens + int(engine.prompt[done].sum())) / span if span > 0 else 0.0,
+        "throughput_requests_per_s": float(done.sum()) / span if span > 0 else 0.0,
+        "mean_ttft_s": float(np.mean(ttft[done])) if done.any() else math.nan,
+        "p50_ttft_s": _pct(ttft[done], 50),
+        "p99_ttft_s": _pct(ttft[done], 99),
+        "mean_tpot_s": float(np.nanmean(tpot[done])) if np.isfinite(tpot[done]).any() else math.nan,
+        "mean_e2e_latency_s": float(np.mean(e2e[done])) if done.any() else math.nan,
+        "p99_e2e_latency_s": _pct(e2e[done], 99),
+        "mean_normalized_latency_s": float(np.mean(e2e[done] / out_len[done])) if done.any() else math.nan,
+        "sim_time_s": span,
+        "num_steps": engine.num_steps,
+        "num_events": engine.num_events,
+        "wall_time_s": wall_time_s,
+    })
+    requests = pd.DataFrame({
+        "request_id": np.arange(engine.N),
+        "arrival_s": arrival,
+        "prompt_len": engine.prompt,
+        "output_len": engine.output,
+        "status": pd.Categorical.from_codes(engine.status.astype(np.int64), STATUS_NAMES),
+        "refused_reason": [REFUSE_REASONS[int(r)] for r in engine.refused],
+        "first_token_s": engine.first_token,
+        "finish_s": engine.finish,
+        "ttft_s": ttft,
+        "tpot_s": tpot,
+        "e2e_latency_s": np.where(done, e2e, np.nan),
+        "normalized_latency_s": np.where(done, e2e / out_len, np.nan),
+        "num_preemptions": engine.preemptions,
+    })
+    return summary, requests
+
+
+def simulate(trace: Any, allocator_name: str, spec: RunSpec,
+             progress: Callable[[int], None] | None = None, check: bool = False) -> RunResult:
+    engine = make_engine(trace, allocator_name, spec, progress=progress, check=check)
+    t0 = time.perf_counter()
+    engine.run()
+    wall = time.perf_counter() - t0
+    model, _ = _model_gpu(spec)
+    summary, requests = summarize(engine, allocator_name, wall, model.kv_bytes_per_token_per_gpu(spec.tp))
+    series = pd.DataFrame(engine.rec.timeseries())
+    return RunResult(allocator_name, summary, requests, series, engine.address_map())
+
+
+def run_config(spec: RunSpec, allocators: list[str]) -> dict[str, Any]:
+    """What ``config.json`` records: every parameter, the seed and the version."""
+    return {"fragsim_version": __version__, "allocators": allocators, **spec.to_dict()}
