@@ -216,7 +216,8 @@ class Engine:
     def _refuse(self, req: int, reason: int) -> None:
         self.status[req] = REFUSED
         self.refused[req] = reason
-        self.finish[req] = self.now
+        # Unservable requests are answered on arrival; a timeout when it is noticed.
+        self.finish[req] = self.now if reason == REFUSE_TIMEOUT else self.arrival[req]
         self.num_done += 1
         c = self.rec.counters
         if reason == REFUSE_TOO_LONG:
