@@ -132,13 +132,28 @@ class RooflineCostModel:
         memory = nbytes / self._byte_rate
         return self.overhead_s + np.maximum(compute, memory) + self._comm_time(np.asarray(tokens))
 
+    def _time(self, tokens: int, attention_units: int, context: int) -> float:
+        """:meth:`_times` for one step in plain Python floats: the same operations in the
+        same order, so the result is bit-identical to the array version (tests check)."""
+        m = self.model
+        flops = 2.0 * m.num_params * float(tokens) + self._attention_flops_per_unit() * float(attention_units)
+        nbytes = float(m.weight_bytes) + float(m.kv_bytes_per_token) * float(context)
+        compute = flops / self._flop_rate
+        memory = nbytes / self._byte_rate
+        comm = 0.0
+        if self.tp > 1:
+            comm = float(np.float64(self._comm_time(np.array([tokens]))[0]))
+        return self.overhead_s + max(compute, memory) + comm
+
     def step_time(self, num_prefill_tokens: int, prefill_attention_units: int,
                   num_decode: int, decode_context: int) -> float:
-        tokens = num_prefill_tokens + num_decode
-        units = prefill_attention_units + decode_context
-        return float(self._times(np.array([tokens]), np.array([units]), np.array([decode_context]))[0])
+        return self._time(num_prefill_tokens + num_decode, prefill_attention_units + decode_context,
+                          decode_context)
 
     def decode_step_times(self, num_decode: int, decode_context: np.ndarray) -> np.ndarray:
+        if len(decode_context) == 1:
+            ctx = int(decode_context[0])
+            return np.array([self._time(num_decode, ctx, ctx)])
         tokens = np.full(len(decode_context), num_decode)
         return self._times(tokens, decode_context, decode_context)
 

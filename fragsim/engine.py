@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import simpy
@@ -107,6 +108,24 @@ class EngineConfig:
         return max(self.max_seq_len, 2048)
 
 
+class StepObserver(Protocol):
+    """Something that follows the run step by step (the GPU backend, a tracer)."""
+
+    def before_step(self, engine: Engine, dt: float) -> None:
+        """Called once a step's decisions are made, before its time passes."""
+
+    def after_step(self, engine: Engine) -> None:
+        """Called at the end of each step, after growth and completions."""
+
+
+@dataclass(frozen=True)
+class LiveSequence:
+    req: int
+    filled: int    # tokens stored now
+    final: int     # prompt + output
+    decoding: bool
+
+
 @dataclass(slots=True)
 class _Prefill:
     """A request whose prompt (or, after recompute, prompt + generated) is being processed."""
@@ -122,7 +141,11 @@ class Engine:
     """Replays ``trace`` against ``allocator``; call :meth:`run` once."""
 
     def __init__(self, trace: object, allocator: Allocator, cost_model: CostModel,
-                 config: EngineConfig, progress: Callable[[int], None] | None = None) -> None:
+                 config: EngineConfig, progress: Callable[[int], None] | None = None,
+                 observer: StepObserver | None = None) -> None:
+        if observer is not None and not config.exact_steps:
+            raise ValueError("an observer sees every step, so it needs exact_steps=True")
+        self.observer = observer
         self.cfg = config
         self.alloc = allocator
         self.cost = cost_model
@@ -310,19 +333,23 @@ class Engine:
     def _grow_decoders(self) -> None:
         """Room for this step's token in every decoding sequence (paged: maybe a block)."""
         b = self.batch
+        extend, num_owned = self.alloc.extend, self.alloc.num_owned
         while True:
             n = b.n
-            need = np.flatnonzero(b.offset[:n] + self.g + 1 > b.owned[:n])
+            need = np.flatnonzero(b.offset[:n] + (self.g + 1) > b.owned[:n])
             if len(need) == 0:
                 return
-            order = need[np.argsort(b.req[need], kind="stable")]
-            for row in order:
-                req = int(b.req[row])
-                target = int(b.offset[row]) + self.g + 1
-                if self.alloc.extend(req, target - int(b.requested[row])):
-                    new_owned = self.alloc.num_owned(req)
-                    self._take(req, int(b.owned[row]), -1)
-                    self._take(req, new_owned)
+            if len(need) > 1:
+                need = need[np.argsort(b.req[need], kind="stable")]
+            for row, req, offset, owned, requested in zip(
+                    need.tolist(), b.req[need].tolist(), b.offset[need].tolist(),
+                    b.owned[need].tolist(), b.requested[need].tolist(), strict=True):
+                target = offset + self.g + 1
+                if extend(req, target - requested):
+                    new_owned = num_owned(req)
+                    final = int(self.final[req])
+                    self.owned_total += new_owned - owned
+                    self.internal_total += max(0, new_owned - final) - max(0, owned - final)
                     b.owned[row] = new_owned
                     b.requested[row] = target
                 else:
@@ -411,9 +438,13 @@ class Engine:
                         len(self.waiting) + len(self.swapped))
         if cfg.check:
             self._check()
+        if self.observer is not None:
+            self.observer.before_step(self, dt)
         self.now = self.now + dt
         self.num_steps += 1
         self._end_step()
+        if self.observer is not None:
+            self.observer.after_step(self)
         self._quiet = (not self.prefilling and not self._freed
                        and (head_blocked or not self.waiting) and (swapped_blocked or not self.swapped))
         return dt
@@ -569,6 +600,8 @@ class Engine:
         token_states = int(np.minimum(b.offset[: b.n] + self.g, b.final[: b.n]).sum())
         self.rec.record(self.now, dt, token_states, self.owned_total, self.internal_total,
                         self.alloc.largest_allocatable(), n, len(self.waiting))
+        if self.observer is not None:
+            self.observer.before_step(self, dt)
         self.now = self.now + dt
         self.num_steps += 1
         self.g += 1
@@ -586,6 +619,8 @@ class Engine:
             b.n = 0
             self._static_running = False
         self._quiet = self._static_running
+        if self.observer is not None:
+            self.observer.after_step(self)
         return dt
 
     def _static_jump(self) -> float:
@@ -661,6 +696,20 @@ class Engine:
             if self.cfg.address_map_interval_s is not None and self.now >= self._map_next:
                 self._sample_address_map()
             yield env.timeout(max(0.0, self.now - env.now))
+
+    def live_sequences(self) -> list[LiveSequence]:
+        """Every request holding KV memory now, with what it has stored (the observer's view)."""
+        b, g = self.batch, self.g
+        out = [LiveSequence(int(r), int(min(o + g, f)), int(f), True)
+               for r, o, f in zip(b.req[: b.n], b.offset[: b.n], b.final[: b.n], strict=True)]
+        out += [LiveSequence(p.req, p.done, int(self.final[p.req]), False) for p in self.prefilling]
+        return out
+
+    def memory_split(self) -> tuple[int, int, int, int]:
+        """(token_states, reservation, internal, free) right now, from the engine's bookkeeping."""
+        token = sum(s.filled for s in self.live_sequences())
+        return (token, self.owned_total - token - self.internal_total, self.internal_total,
+                self.capacity - self.owned_total)
 
     def _sample_address_map(self) -> None:
         """Which request owns each slot now, binned to ``address_map_bins`` rows (-1: free)."""

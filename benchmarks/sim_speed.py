@@ -1,0 +1,116 @@
+"""How fast the simulator replays a trace: wall seconds, real-time factor, memory.
+
+    python benchmarks/sim_speed.py                 # presets, peer configuration, 1x/4x/16x scaling
+    python benchmarks/sim_speed.py --million       # also peak RSS at 1M requests
+    python benchmarks/sim_speed.py --json          # one JSON object per measurement
+
+Each measurement runs in a fresh process so that its peak RSS is its own. The
+real-time factor is simulated seconds per wall second of the engine run (trace
+loading excluded, reported apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import sys
+import time
+from typing import Any
+
+PRESETS = ["ft-static", "orca-max", "orca-pow2", "orca-oracle", "vllm"]
+# The configuration peer simulators are usually benchmarked in.
+PEER = {"model": "llama-2-7b", "gpu": "a100-80gb", "max_seq_len": 16384, "max_num_seqs": 256,
+        "max_num_batched_tokens": 2048}
+
+
+def _tiled(trace: Any, times: int) -> Any:
+    """The trace repeated ``times`` times back to back (a longer day of the same traffic)."""
+    import numpy as np
+
+    from fragsim.traces import Trace
+
+    gap = float(np.mean(np.diff(trace.arrival_s))) if len(trace) > 1 else 1.0
+    period = float(trace.arrival_s[-1]) + gap
+    arrival = np.concatenate([trace.arrival_s + i * period for i in range(times)])
+    return Trace(f"{trace.name}x{times}", trace.source, arrival, np.tile(trace.prompt_len, times),
+                 np.tile(trace.output_len, times), has_timestamps=True)
+
+
+def _measure(args: tuple[str, dict[str, Any], int, int | None], out: Any) -> None:
+    allocator, options, times, num_requests = args
+    from fragsim.simulate import RunSpec, load_workload, make_engine
+
+    t0 = time.perf_counter()
+    spec = RunSpec(trace="azure-conv", timeseries_resolution_s=10.0, **options)
+    trace = load_workload(spec)
+    if num_requests is not None:
+        times = -(-num_requests // len(trace))
+    if times > 1:
+        trace = _tiled(trace, times)
+    if num_requests is not None:
+        from fragsim.traces import slice_trace
+
+        trace = slice_trace(trace, num_requests=num_requests)
+    load_s = time.perf_counter() - t0
+    engine = make_engine(trace, allocator, spec)
+    t0 = time.perf_counter()
+    engine.run()
+    wall = time.perf_counter() - t0
+    sim = engine.rec.span_s
+    out.put({
+        "allocator": allocator, "config": "peer" if options else "default", "trace_x": times,
+        "num_requests": len(trace), "wall_s": round(wall, 3), "load_s": round(load_s, 3),
+        "sim_s": round(sim, 1), "real_time_factor": round(sim / wall, 1),
+        "steps": engine.num_steps, "events": engine.num_events,
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    })
+
+
+def measure(allocator: str, options: dict[str, Any], times: int = 1,
+            num_requests: int | None = None) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_measure, args=((allocator, options, times, num_requests), queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", action="store_true", help="JSON Lines instead of a table")
+    parser.add_argument("--million", action="store_true", help="also run 1,000,000 requests (vllm)")
+    parser.add_argument("--no-scaling", action="store_true", help="skip the 4x/16x runs")
+    args = parser.parse_args(argv)
+
+    plan: list[tuple[str, dict[str, Any], int, int | None]] = [(a, {}, 1, None) for a in PRESETS]
+    plan.append(("vllm", PEER, 1, None))
+    if not args.no_scaling:
+        plan += [("vllm", {}, 4, None), ("vllm", {}, 16, None)]
+    if args.million:
+        plan.append(("vllm", {}, 1, 1_000_000))
+    rows = []
+    for item in plan:
+        row = measure(*item)
+        rows.append(row)
+        if args.json:
+            print(json.dumps(row), flush=True)
+        else:
+            print(f"{row['allocator']:>12} {row['config']:>7} x{row['trace_x']:<3} "
+                  f"{row['num_requests']:>9,} req  wall {row['wall_s']:>8.2f} s  sim {row['sim_s']:>10,.0f} s  "
+                  f"RTF {row['real_time_factor']:>8,.0f}  steps {row['steps']:>10,}  "
+                  f"events {row['events']:>9,}  RSS {row['peak_rss_mb']:>7,.0f} MB", flush=True)
+    base = next((r for r in rows if r["allocator"] == "vllm" and r["trace_x"] == 1 and r["config"] == "default"), None)
+    if base and not args.json:
+        for r in rows:
+            if r["trace_x"] > 1 and r["config"] == "default" and r["num_requests"] == base["num_requests"] * r["trace_x"]:
+                print(f"scaling x{r['trace_x']}: wall {r['wall_s'] / base['wall_s']:.2f}x of 1x "
+                      f"(linear would be {r['trace_x']}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
