@@ -1,0 +1,379 @@
+"""Models and GPUs: the numbers every byte and every second of a run comes from.
+
+A *slot* is the K and V of one token across all layers::
+
+    kv_bytes_per_token = 2 (K and V) × num_layers × num_kv_heads × head_dim × dtype_bytes
+    OPT-13B:             2 × 40 × 40 × 128 × 2 B = 819,200 B  (800 KiB)
+
+Presets copy each model's published ``config.json`` (or its paper) and each card's
+vendor datasheet; every entry says where its numbers come from. ``num_params`` is
+the exact total of the checkpoint (embeddings included), which the tests re-derive
+from the architecture. A TOML file adds custom entries (see :func:`load_catalog`
+and ``experiments/catalog_example.toml``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+from fragsim.errors import FragsimError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 needs the backport
+    import tomli as tomllib
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Rows of logits a forward pass materializes at most: vLLM's default max_num_seqs.
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+def _check_int(owner: object, name: str, low: int, high: int | None = None) -> None:
+    value = getattr(owner, name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f'"{name}" must be an integer, got {value!r}')
+    if value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f'"{name}" must be {allowed}, got {value}')
+
+
+def _check_positive(owner: object, name: str) -> None:
+    value = getattr(owner, name)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise ValueError(f'"{name}" must be a finite number > 0, got {value!r}')
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer, as far as memory and FLOPs are concerned.
+
+    ``num_kv_heads < num_heads`` is grouped-query attention (MQA at 1): only the KV
+    heads are cached, which is why Llama-2-70B stores 8/64 of what its width says.
+    ``hidden_size`` need not equal ``num_heads × head_dim``. ``gated_mlp`` (SwiGLU:
+    gate, up and down projections) matters only to the activation estimate.
+    """
+
+    name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    num_params: int
+    dtype_bytes: int = 2
+    max_position_embeddings: int = 2048
+    source: str = ""
+    gated_mlp: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f'"name" must be a non-empty string, got {self.name!r}')
+        for name in ("num_layers", "num_heads", "head_dim", "hidden_size",
+                     "intermediate_size", "vocab_size", "num_params", "max_position_embeddings"):
+            _check_int(self, name, 1)
+        _check_int(self, "num_kv_heads", 1, self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f'"num_kv_heads" must divide "num_heads" ({self.num_heads}), got {self.num_kv_heads}'
+            )
+        if self.dtype_bytes not in (1, 2, 4) or isinstance(self.dtype_bytes, bool):
+            raise ValueError(
+                f'"dtype_bytes" must be 1 (fp8), 2 (fp16/bf16) or 4 (fp32), got {self.dtype_bytes!r}'
+            )
+        if not isinstance(self.gated_mlp, bool):
+            raise ValueError(f'"gated_mlp" must be true or false, got {self.gated_mlp!r}')
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one slot: K and V of one token in every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+    def kv_heads_per_gpu(self, tp: int) -> int:
+        """KV heads one GPU stores under tensor parallelism of degree ``tp``.
+
+        Follows vLLM: the query heads must split evenly (``num_heads % tp == 0``).
+        With ``tp <= num_kv_heads`` the KV heads split evenly too; with more GPUs
+        than KV heads (Llama-2-70B at tp=16) every GPU keeps one whole KV head,
+        replicated ``tp / num_kv_heads`` times, so ``tp`` must be a multiple of
+        ``num_kv_heads``. Anything else is refused, as vLLM refuses it.
+        """
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise FragsimError(f"tp (--tp) must be an integer >= 1, got {tp!r}")
+        if self.num_heads % tp:
+            raise FragsimError(
+                f"tp (--tp) must divide {self.name}'s {self.num_heads} attention heads, got {tp}"
+            )
+        if tp <= self.num_kv_heads:
+            if self.num_kv_heads % tp:
+                raise FragsimError(
+                    f"tp (--tp) must divide {self.name}'s {self.num_kv_heads} KV heads, got {tp}"
+                )
+            return self.num_kv_heads // tp
+        if tp % self.num_kv_heads:
+            raise FragsimError(
+                f"tp (--tp) above {self.name}'s {self.num_kv_heads} KV heads must be a multiple "
+                f"of it (each GPU then holds one replicated KV head), got {tp}"
+            )
+        return 1
+
+    def kv_bytes_per_token_per_gpu(self, tp: int = 1) -> int:
+        """One slot's bytes on one GPU: ``kv_bytes_per_token / tp`` when heads divide."""
+        return 2 * self.num_layers * self.kv_heads_per_gpu(tp) * self.head_dim * self.dtype_bytes
+
+    def flops_per_token(self) -> float:
+        """Dense matmul FLOPs to push one token through the model, ``2 × num_params``.
+
+        One multiply-add (2 FLOPs) per weight. Attention over the context is extra
+        (:meth:`attention_flops`). The embedding lookup is counted as if it were a
+        matmul, an overestimate of 2-13% (largest for Llama-3's 128K vocabulary)
+        that the cost model's efficiency factors absorb.
+        """
+        return 2.0 * self.num_params
+
+    def attention_flops(self, context_len: int) -> float:
+        """FLOPs of QK^T and PV for one new token attending to ``context_len`` tokens.
+
+        Each is ``num_heads × head_dim × context_len`` multiply-adds per layer; all
+        query heads count, GQA shares KV heads but not the arithmetic.
+        """
+        return 4.0 * self.num_layers * self.num_heads * self.head_dim * context_len
+
+
+@dataclass(frozen=True)
+class GPUConfig:
+    """One accelerator. ``memory_bytes`` is the total the driver reports
+    (``nvidia-smi --query-gpu=memory.total``), not the marketing figure: an
+    A100-40GB reports 40960 MiB = 40 GiB, an H100-80GB only 81559 MiB."""
+
+    name: str
+    memory_bytes: int
+    hbm_bandwidth: float
+    fp16_flops: float
+    pcie_bandwidth: float
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise ValueError(f'"name" must be a non-empty string, got {self.name!r}')
+        _check_int(self, "memory_bytes", 1)
+        for name in ("hbm_bandwidth", "fp16_flops", "pcie_bandwidth"):
+            _check_positive(self, name)
+
+
+def activation_peak_bytes(
+    model: ModelConfig,
+    max_num_batched_tokens: int,
+    *,
+    tp: int = 1,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+) -> int:
+    """Peak bytes of temporaries in one forward pass over ``T`` batched tokens.
+
+    Stands in for vLLM's profiling run (a dummy batch of ``max_num_batched_tokens``
+    tokens whose peak is subtracted from the KV budget). Layers run one after the
+    other without autograd, so only one layer's temporaries are live; per token::
+
+        2 × hidden_size                      residual stream + normalized input
+      + max(attention, mlp) where
+        attention = (num_heads + 2 × kv_heads) × head_dim / tp    fused QKV output
+                  +  num_heads × head_dim / tp                   attention output
+        mlp       = 3 × intermediate_size / tp  (gated: gate|up output + act(gate)·up)
+                    2 × intermediate_size / tp  (plain: fc1 output + activation)
+
+    times ``dtype_bytes`` and ``T``, plus fp32 logits for the sampled rows,
+    ``min(T, max_num_seqs) × vocab_size × 4`` (gathered to full vocab on every GPU).
+    Attention is assumed fused (FlashAttention/xformers), so no ``T × T`` score
+    matrix; an eager HF model needs far more, which is why the seeds' 2-4 GB of
+    activations are larger than this. CUDA context, cuBLAS workspaces and CUDA
+    graphs are not counted (a few hundred MB); pass ``activation_bytes`` to
+    :func:`fragsim.capacity.plan_capacity` to use a measured peak instead.
+    """
+    if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
+        raise FragsimError(
+            "max_num_batched_tokens (--max-num-batched-tokens) must be an integer >= 1, "
+            f"got {max_num_batched_tokens!r}"
+        )
+    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise FragsimError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
+    kv_heads = model.kv_heads_per_gpu(tp)
+    q_width = model.num_heads * model.head_dim // tp
+    attention = q_width + 2 * kv_heads * model.head_dim + q_width
+    mlp = (3 if model.gated_mlp else 2) * math.ceil(model.intermediate_size / tp)
+    per_token = (2 * model.hidden_size + max(attention, mlp)) * model.dtype_bytes
+    logits = min(max_num_batched_tokens, max_num_seqs) * model.vocab_size * 4
+    return per_token * max_num_batched_tokens + logits
+
+
+_HF = "huggingface.co/{}/blob/main/config.json"
+
+# Parameter totals are the checkpoints' exact counts; tests/test_catalog.py derives
+# each one again from the architecture. OPT's positional table has 2048 + 2 rows.
+_MODELS = [
+    ModelConfig("opt-13b", 40, 40, 40, 128, 5120, 20480, 50272, 12_853_473_280,
+                max_position_embeddings=2048, gated_mlp=False,
+                source=_HF.format("facebook/opt-13b")),
+    ModelConfig("opt-66b", 64, 72, 72, 128, 9216, 36864, 50272, 65_719_701_504,
+                max_position_embeddings=2048, gated_mlp=False,
+                source=_HF.format("facebook/opt-66b")),
+    # No hub checkpoint config; the OPT paper (Zhang et al. 2022), Table 1 and §2.
+    ModelConfig("opt-175b", 96, 96, 96, 128, 12288, 49152, 50272, 174_604_468_224,
+                max_position_embeddings=2048, gated_mlp=False,
+                source="OPT paper, arXiv:2205.01068, Table 1"),
+    ModelConfig("llama-2-7b", 32, 32, 32, 128, 4096, 11008, 32000, 6_738_415_616,
+                max_position_embeddings=4096, source=_HF.format("meta-llama/Llama-2-7b-hf")),
+    ModelConfig("llama-2-13b", 40, 40, 40, 128, 5120, 13824, 32000, 13_015_864_320,
+                max_position_embeddings=4096, source=_HF.format("meta-llama/Llama-2-13b-hf")),
+    ModelConfig("llama-2-70b", 80, 64, 8, 128, 8192, 28672, 32000, 68_976_648_192,
+                max_position_embeddings=4096, source=_HF.format("meta-llama/Llama-2-70b-hf")),
+    ModelConfig("llama-3-8b", 32, 32, 8, 128, 4096, 14336, 128256, 8_030_261_248,
+                max_position_embeddings=8192, source=_HF.format("meta-llama/Meta-Llama-3-8B")),
+    ModelConfig("llama-3-70b", 80, 64, 8, 128, 8192, 28672, 128256, 70_553_706_496,
+                max_position_embeddings=8192, source=_HF.format("meta-llama/Meta-Llama-3-70B")),
+    # v0.3 rather than v0.1: no sliding window, so every token's KV is kept, as here.
+    ModelConfig("mistral-7b", 32, 32, 8, 128, 4096, 14336, 32768, 7_248_023_552,
+                max_position_embeddings=32768, source=_HF.format("mistralai/Mistral-7B-v0.3")),
+    # Base model (the Instruct config says 32768 positions); untied embeddings, QKV bias.
+    ModelConfig("qwen2.5-7b", 28, 28, 4, 128, 3584, 18944, 152064, 7_615_616_512,
+                max_position_embeddings=131072, source=_HF.format("Qwen/Qwen2.5-7B")),
+]
+
+# Memory: nvidia-smi's memory.total. Bandwidth and dense (no 2:4 sparsity) fp16
+# tensor FLOP/s: NVIDIA datasheets. PCIe: one direction of an x16 link (Gen4 32 GB/s,
+# Gen5 64 GB/s, half the datasheets' bidirectional figure); swap moves one way.
+_GPUS = [
+    GPUConfig("a100-40gb", 40960 * MiB, 1555e9, 312e12, 32e9,
+              source="NVIDIA A100 datasheet (SXM4 40GB): 1,555 GB/s, 312 TFLOPS fp16"),
+    GPUConfig("a100-80gb", 81920 * MiB, 2039e9, 312e12, 32e9,
+              source="NVIDIA A100 datasheet (SXM4 80GB): 2,039 GB/s, 312 TFLOPS fp16"),
+    GPUConfig("h100-80gb", 81559 * MiB, 3.35e12, 989.4e12, 64e9,
+              source="NVIDIA H100 datasheet (SXM5): 3.35 TB/s, 1,979 TFLOPS fp16 sparse / 2"),
+    GPUConfig("h200-141gb", 143771 * MiB, 4.8e12, 989.4e12, 64e9,
+              source="NVIDIA H200 datasheet (SXM): 141 GB, 4.8 TB/s, 1,979 TFLOPS fp16 sparse / 2"),
+    GPUConfig("l4", 23034 * MiB, 300e9, 121e12, 32e9,
+              source="NVIDIA L4 datasheet: 24 GB, 300 GB/s, 242 TFLOPS fp16 sparse / 2"),
+    # fp32 accumulation, as PyTorch's fp16 GEMMs use; GeForce runs it at half the
+    # fp16-accumulate rate (330 TFLOPS).
+    GPUConfig("rtx-4090", 24564 * MiB, 1008e9, 165.2e12, 32e9,
+              source="NVIDIA Ada whitepaper (RTX 4090): 1,008 GB/s, 165.2 TFLOPS fp16/fp32-acc"),
+]
+
+MODELS: Mapping[str, ModelConfig] = MappingProxyType({m.name: m for m in _MODELS})
+GPUS: Mapping[str, GPUConfig] = MappingProxyType({g.name: g for g in _GPUS})
+
+Catalog = tuple[dict[str, ModelConfig], dict[str, GPUConfig]]
+
+
+_Config = TypeVar("_Config", ModelConfig, GPUConfig)
+
+
+def _lookup(kind: str, option: str, name: str, presets: Mapping[str, _Config],
+            custom: Mapping[str, _Config]) -> _Config:
+    key = name.strip().lower()
+    found = custom.get(key, presets.get(key))
+    if found is None:
+        known = ", ".join(sorted({*presets, *custom}))
+        raise FragsimError(f"unknown {kind} {name!r} ({option}); known: {known}")
+    return found
+
+
+def get_model(name: str, catalog: str | os.PathLike[str] | None = None) -> ModelConfig:
+    """A preset (or, with ``catalog``, a custom entry of that TOML file) by name,
+    case-insensitively."""
+    custom = load_catalog(catalog)[0] if catalog is not None else {}
+    return _lookup("model", "--model", name, MODELS, custom)
+
+
+def get_gpu(name: str, catalog: str | os.PathLike[str] | None = None) -> GPUConfig:
+    """A preset GPU (or a custom one from ``catalog``) by name, case-insensitively."""
+    custom = load_catalog(catalog)[1] if catalog is not None else {}
+    return _lookup("GPU", "--gpu", name, GPUS, custom)
+
+
+def _build(cls: type, table: str, name: str, raw: Any, presets: Mapping[str, Any]) -> Any:
+    where = f"[{table}.{name}]"
+    if not isinstance(raw, dict):
+        raise FragsimError(f"{where}: must be a table of keys, got {type(raw).__name__}")
+    if name in presets:
+        raise FragsimError(
+            f"{where}: name clashes with a preset; pick another name "
+            f'(base = "{name}" starts from the preset)'
+        )
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "name"}
+    values = dict(raw)
+    base_name = values.pop("base", None)
+    for key, value in values.items():
+        if key not in fields:
+            raise FragsimError(
+                f"{where}: unknown key {key!r}; allowed: base, {', '.join(fields)}"
+            )
+        expected = fields[key].type
+        if expected == "float":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        else:
+            ok = type(value).__name__ == expected
+        if not ok:
+            raise FragsimError(f"{where}: key {key!r} must be {expected}, got {value!r}")
+    try:
+        if base_name is not None:
+            if not isinstance(base_name, str) or base_name.lower() not in presets:
+                raise FragsimError(
+                    f"{where}: key 'base' must name a preset ({', '.join(presets)}), "
+                    f"got {base_name!r}"
+                )
+            return dataclasses.replace(presets[base_name.lower()], name=name, **values)
+        missing = [k for k, f in fields.items()
+                   if k not in values and f.default is dataclasses.MISSING]
+        if missing:
+            raise FragsimError(f"{where}: missing key(s) {', '.join(missing)} (or give base)")
+        return cls(name=name, **values)
+    except ValueError as exc:
+        raise FragsimError(f"{where}: {exc}") from None
+
+
+def load_catalog(path: str | os.PathLike[str]) -> Catalog:
+    """Custom models and GPUs from a TOML file of ``[models.NAME]`` and ``[gpus.NAME]``
+    tables, keyed by the dataclass field names (``base = "PRESET"`` copies a preset
+    and overrides some fields). Names are lower-cased and may not shadow a preset.
+    Every error names the file, the table and the key."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise FragsimError(f"cannot read catalog {os.fspath(path)!r}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise FragsimError(f"catalog {os.fspath(path)!r} is not valid TOML: {exc}") from None
+    extra = sorted(set(data) - {"models", "gpus"})
+    if extra:
+        raise FragsimError(
+            f"catalog {os.fspath(path)!r}: unknown table(s) {', '.join(extra)}; "
+            "allowed: models, gpus"
+        )
+    for table in ("models", "gpus"):
+        if not isinstance(data.get(table, {}), dict):
+            raise FragsimError(
+                f"catalog {os.fspath(path)!r}: {table!r} must be a table of [{table}.NAME] tables"
+            )
+    try:
+        models = {n.lower(): _build(ModelConfig, "models", n.lower(), raw, MODELS)
+                  for n, raw in data.get("models", {}).items()}
+        gpus = {n.lower(): _build(GPUConfig, "gpus", n.lower(), raw, GPUS)
+                for n, raw in data.get("gpus", {}).items()}
+    except FragsimError as exc:
+        raise FragsimError(f"catalog {os.fspath(path)!r}: {exc}") from None
+    return models, gpus
