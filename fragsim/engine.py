@@ -697,6 +697,12 @@ class Engine:
                 self._sample_address_map()
             yield env.timeout(max(0.0, self.now - env.now))
 
+    def attach(self, observer: StepObserver) -> None:
+        """Follow the run with ``observer`` (needs exact steps: it must see every step)."""
+        if not self.cfg.exact_steps:
+            raise ValueError("an observer sees every step, so it needs exact_steps=True")
+        self.observer = observer
+
     def live_sequences(self) -> list[LiveSequence]:
         """Every request holding KV memory now, with what it has stored (the observer's view)."""
         b, g = self.batch, self.g

@@ -11,6 +11,11 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# `--hypothesis-profile=long` for a deeper search than CI's default (profiles must
+# exist before test modules load, hence here).
+settings.register_profile("long", max_examples=2000, deadline=None)
 
 
 def _cuda_available() -> bool:

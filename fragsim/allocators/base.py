@@ -67,17 +67,46 @@ class BlockTable:
 
 Placement = Extent | BlockTable
 
+# NOTE: a frozen dataclass's __init__ sets each field through object.__setattr__,
+# which costs about twice what the allocators' whole allocate() does otherwise.
+# These build the same objects (equal, hashable, frozen afterwards) by filling
+# the instance dict directly; they rely on the two classes keeping a __dict__
+# (no slots=True), which the allocator tests would catch at once.
+_new = object.__new__
+
+
+def new_extent(offset: int, length: int) -> Extent:
+    """``Extent(offset, length)`` for the allocators' hot paths (no validation)."""
+    extent = _new(Extent)
+    fields = extent.__dict__
+    fields["offset"] = offset
+    fields["length"] = length
+    return extent
+
+
+def new_block_table(block_size: int, block_ids: tuple[int, ...]) -> BlockTable:
+    """``BlockTable(block_size, block_ids)`` for the allocators' hot paths (no validation)."""
+    table = _new(BlockTable)
+    fields = table.__dict__
+    fields["block_size"] = block_size
+    fields["block_ids"] = block_ids
+    return table
+
 
 @runtime_checkable
 class Allocator(Protocol):
     """What every KV-cache allocator provides. All sizes are in slots."""
 
-    #: placement name: "static", "contiguous", "buddy", "paged", ...
+    #: the name it was created under: a placement or a preset ("vllm", "orca-pow2", ...)
     name: str
+    #: placement name: "static", "contiguous", "buddy", "paged", ...
+    placement_name: str
     #: slots in the pool
     capacity: int
     #: reservation policy the engine should apply: "max", "pow2", "oracle" or "demand"
     reserve: str
+    #: longest sequence in slots; the reservation policies cap at it
+    max_seq_len: int
     #: True when extend() takes new memory (paged); False when growth must fit in
     #: what allocate() reserved (static, contiguous, buddy)
     grows_on_demand: bool

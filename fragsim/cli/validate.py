@@ -1,0 +1,132 @@
+"""``fragsim validate``: the simulation checked against real memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+DESCRIPTION = """\
+Replay a slice of a trace with every allocation decision executed on a real KV
+pool (torch tensors on CUDA, or on the CPU through Triton's interpreter), write
+every token's K/V, run decode attention with the Triton kernels each step, and
+compare the memory split measured on the device with the simulated one. Exits
+non-zero on any mismatch."""
+
+
+def register(subparsers: Any) -> None:
+    from fragsim.cli.run import _positive_float, _positive_int
+
+    p = subparsers.add_parser("validate", help="check the simulation against real device memory",
+                              description=DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the pool lives (default: cuda if available, else cpu)")
+    p.add_argument("--trace", default="azure-conv", help="trace or workload (default: %(default)s)")
+    p.add_argument("--rate", type=_positive_float, help="re-time arrivals (needed for workloads)")
+    p.add_argument("--allocator", default="ft-static,orca-max,orca-pow2,orca-oracle,vllm,contiguous",
+                   help="comma list (default: %(default)s)")
+    p.add_argument("--num-requests", type=_positive_int, default=None,
+                   help="requests to replay (default: 300 on cuda, 30 on cpu)")
+    p.add_argument("--offset", type=int, default=0, help="skip this many requests first")
+    p.add_argument("--model", default="llama-2-13b", help="model whose KV budget sizes the pool")
+    p.add_argument("--gpu", default="a100-40gb", help="GPU whose memory sizes the pool")
+    p.add_argument("--kv-slots", type=_positive_int, help="pool size in slots (overrides the budget)")
+    p.add_argument("--max-seq-len", type=_positive_int, default=2048)
+    p.add_argument("--scale", type=_positive_float, default=None,
+                   help="multiply lengths, max-seq-len and pool by this (default: 1 on cuda, 0.05 on cpu)")
+    p.add_argument("--layers", type=_positive_int, default=None, help="layers in the pool (default 2)")
+    p.add_argument("--q-heads", type=_positive_int, default=None, help="query heads (default 40 cuda / 4 cpu)")
+    p.add_argument("--kv-heads", type=_positive_int, default=None, help="KV heads (default 40 cuda / 2 cpu)")
+    p.add_argument("--head-dim", type=_positive_int, default=None, help="head dim (default 128 cuda / 16 cpu)")
+    p.add_argument("--dtype", choices=("float16", "float32"), default="float16")
+    p.add_argument("--attention-every", type=_positive_int, default=None,
+                   help="run the attention check every N steps (default 1 cuda / 5 cpu)")
+    p.add_argument("--out", default="results", help="results folder (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help="one JSON object per allocator on stdout")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    device = args.device
+    if device is None or device == "cpu":
+        # The interpreter must be on before triton is first imported.
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    from fragsim.cli.run import parse_allocators
+    from fragsim.errors import FragsimError
+    from fragsim.report import clean_json, run_id
+    from fragsim.simulate import RunSpec
+    from gpu_backend.validate import ModelShape, run_validation
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise FragsimError("--device cuda: no CUDA device is available (use --device cpu)")
+    cuda = device == "cuda"
+    allocators = parse_allocators(args.allocator)
+    try:
+        shape = ModelShape(num_layers=args.layers or 2, num_q_heads=args.q_heads or (40 if cuda else 4),
+                           num_kv_heads=args.kv_heads or (40 if cuda else 2),
+                           head_dim=args.head_dim or (128 if cuda else 16), dtype=args.dtype)
+    except ValueError as exc:
+        raise FragsimError(str(exc)) from None
+    num_requests = args.num_requests or (300 if cuda else 30)
+    scale = args.scale if args.scale is not None else (1.0 if cuda else 0.05)
+    if scale > 1:
+        raise FragsimError(f"--scale must be in (0, 1], got {scale}")
+    spec = RunSpec(trace=args.trace, rate=args.rate, model=args.model, gpu=args.gpu,
+                   kv_slots=args.kv_slots, max_seq_len=args.max_seq_len,
+                   num_requests=num_requests + args.offset)
+    reports = []
+    for name in allocators:
+        report = run_validation(spec, name, device=device, shape=shape, scale=scale,
+                                attention_every=args.attention_every or (1 if cuda else 5),
+                                offset=args.offset)
+        reports.append(report)
+        if args.json:
+            sys.stdout.write(json.dumps(clean_json(report.to_dict())) + "\n")
+            sys.stdout.flush()
+        else:
+            _print(report)
+    out = Path(args.out) / f"validate-{run_id({'allocators': allocators, **spec.to_dict()})}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(clean_json([r.to_dict() for r in reports]), indent=2) + "\n")
+    os.replace(tmp, out.with_suffix(".json"))
+    failed = [r.allocator for r in reports if not r.ok]
+    print(f"report: {out.with_suffix('.json')}", file=sys.stderr)
+    if failed:
+        print(f"fragsim: validation FAILED for {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print(report: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    status = "[green]agree[/green]" if report.ok else "[red]MISMATCH[/red]"
+    table = Table(title=f"{report.allocator} on {report.device}: {report.num_requests} requests, "
+                        f"{report.capacity_slots:,} slots, {report.steps_checked:,} steps checked — {status}",
+                  title_justify="left")
+    table.add_column("quantity")
+    table.add_column("simulated", justify="right")
+    table.add_column("measured on device", justify="right")
+    table.add_column("equal at every step", justify="center")
+    for row in report.table:
+        table.add_row(row["quantity"], f"{row['simulated']:,.4f}", f"{row['measured']:,.4f}",
+                      "yes" if row["match"] else "[red]NO[/red]")
+    table.add_row("attention checks passed", f"{report.attention_checks:,}",
+                  f"max |err| {report.max_abs_error:.2e}", "yes" if report.error is None else "[red]NO[/red]")
+    table.add_row("stored K/V checks passed", f"{report.content_checks:,}", "", "")
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
+    console.print(table)
+    if report.error:
+        console.print(f"[red]{report.error}[/red]")

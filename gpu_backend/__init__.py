@@ -1,0 +1,10 @@
+"""fragsim's allocators on real device memory, with Triton attention reading the KV cache.
+
+``pool``: the KV pool of real tensors and its device-side bookkeeping.
+``backend``: an engine observer that executes every allocation decision on the pool.
+``kernels`` / ``reference``: decode attention (contiguous and paged) and its PyTorch reference.
+``validate``: replay a trace slice and compare the device with the simulation.
+
+Without CUDA everything runs on CPU tensors; set ``TRITON_INTERPRET=1`` before the
+kernels are imported (``fragsim validate --device cpu`` does it for you).
+"""
