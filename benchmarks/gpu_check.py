@@ -1,0 +1,141 @@
+"""Every CUDA check in one script, for one GPU, in under 8 minutes.
+
+    python benchmarks/gpu_check.py OUT_DIR            # writes OUT_DIR/report.json and figures
+
+1. ``fragsim validate --device cuda`` for every allocator on a 300-request slice of
+   azure-conv with a 13B-shaped pool (40 KV heads, head_dim 128, 2 layers): the
+   measured split must equal the simulated one at every step.
+2. Decode-attention throughput of the paged and contiguous Triton kernels in GB/s
+   against the device's measured copy bandwidth, batch 1/16/64 × context
+   512/2048/8192, llama-2-7b heads, fp16 (``triton.testing.do_bench``). Targets:
+   paged >= 70% of copy bandwidth at batch 64 × 2048, and within 10% of contiguous.
+3. The PyTorch caching-allocator model against PyTorch's real allocator.
+
+Each part has its own time budget and its own entry in the report; a part that
+fails or runs out of time is recorded as such and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ALLOCATORS = ["ft-static", "orca-max", "orca-pow2", "orca-oracle", "vllm", "contiguous"]
+
+
+def part_validate(out: Path, budget_s: float, num_requests: int) -> dict[str, Any]:
+    from fragsim.simulate import RunSpec
+    from gpu_backend.validate import ModelShape, run_validation
+
+    shape = ModelShape(num_layers=2, num_q_heads=40, num_kv_heads=40, head_dim=128, dtype="float16")
+    spec = RunSpec(trace="azure-conv", model="llama-2-13b", gpu="a100-40gb", num_requests=num_requests)
+    rows, deadline = [], time.monotonic() + budget_s
+    for name in ALLOCATORS:
+        if time.monotonic() > deadline:
+            rows.append({"allocator": name, "skipped": "time budget spent"})
+            continue
+        report = run_validation(spec, name, device="cuda", shape=shape, attention_every=4)
+        rows.append(report.to_dict())
+        print(f"validate {name}: {'agree' if report.ok else 'MISMATCH'} "
+              f"({report.steps_checked} steps, {report.wall_time_s:.1f} s)", flush=True)
+    (out / "validate.json").write_text(json.dumps(rows, indent=1, default=str))
+    ok = all(r.get("ok") for r in rows if "skipped" not in r)
+    return {"ok": ok, "allocators": rows}
+
+
+def part_kernels(out: Path) -> dict[str, Any]:
+    import torch
+
+    from gpu_backend.kernel_bench import bench_decode_attention, format_table
+
+    rows = bench_decode_attention("cuda", (1, 16, 64), (512, 2048, 8192), 32, 32, 128, 16, torch.float16)
+    print(format_table(rows), flush=True)
+    (out / "kernels.json").write_text(json.dumps(rows, indent=1, default=str))
+    target = _kernel_targets(rows)
+    _plot_kernels(rows, out / "kernels.png")
+    return {"rows": rows, **target}
+
+
+def _kernel_targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def find(layout: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r.get("layout") == layout and r.get("batch") == 64
+                     and r.get("context") == 2048), None)
+
+    paged, contiguous = find("paged"), find("contiguous")
+    if not paged or not contiguous:
+        return {"targets_met": None}
+    frac = paged["gbps"] / paged["copy_gbps"]
+    gap = 1 - paged["gbps"] / contiguous["gbps"]
+    return {"paged_fraction_of_copy_64x2048": frac, "paged_gap_to_contiguous_64x2048": gap,
+            "targets_met": bool(frac >= 0.7 and gap <= 0.1)}
+
+
+def _plot_kernels(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({(r["batch"], r["context"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    width = 0.4
+    for i, layout in enumerate(("contiguous", "paged")):
+        vals = [next((r["gbps"] for r in rows if r["layout"] == layout and (r["batch"], r["context"]) == c), 0)
+                for c in cases]
+        ax.bar([j + (i - 0.5) * width for j in range(len(cases))], vals, width, label=layout)
+    if rows:
+        ax.axhline(rows[0]["copy_gbps"], color="black", linestyle="--", label="copy bandwidth")
+    ax.set_xticks(range(len(cases)), [f"b{b}\nctx{c}" for b, c in cases], fontsize=8)
+    ax.set_ylabel("GB/s")
+    ax.set_title("Decode attention, llama-2-7b heads, fp16")
+    ax.legend()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def part_native_caching(out: Path) -> dict[str, Any]:
+    from gpu_backend import native_caching
+
+    folder = out / "native_caching"
+    folder.mkdir(exist_ok=True)
+    code = native_caching.main(["--workload", "rag-longtail", "--hours", "0.05", "--out", str(folder)])
+    return {"exit_code": code, "folder": str(folder)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", help="folder for report.json and the figures")
+    parser.add_argument("--num-requests", type=int, default=300)
+    parser.add_argument("--validate-budget", type=float, default=240.0, help="seconds for part 1")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    parts = [("native_caching", lambda: part_native_caching(out)),
+             ("kernels", lambda: part_kernels(out)),
+             ("validate", lambda: part_validate(out, args.validate_budget, args.num_requests))]
+    for name, fn in parts:
+        t0 = time.perf_counter()
+        try:
+            report[name] = fn()
+        except Exception:  # noqa: BLE001 - every part reports, whatever breaks
+            report[name] = {"error": traceback.format_exc()}
+        report[name]["wall_s"] = round(time.perf_counter() - t0, 1)
+        (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+        print(f"{name}: {report[name]['wall_s']} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""PyTorch's CUDA caching allocator, modelled byte for byte (seed 004 §3.2).
+
+:mod:`.model` is the allocator, :mod:`.workloads` the serving workloads that drive
+it, :mod:`.snapshot` reads ``torch.cuda.memory_snapshot()`` files (real ones and
+the model's own) into the same figures.
+"""
+
+from fragsim.caching.model import BlockInfo, CachingAllocatorModel, SegmentInfo
+
+__all__ = ["BlockInfo", "CachingAllocatorModel", "SegmentInfo"]
