@@ -65,14 +65,15 @@ class ValidationReport:
 
 
 def scaled_trace(trace: Any, scale: float) -> Any:
-    """Lengths × ``scale`` (at least 1 token each): real traces on an interpreter's budget."""
+    """Lengths × ``scale`` (at least 1 token each) and inter-arrival times × ``scale``, so the
+    pool (also × ``scale``) is under about the same pressure as the full-size replay."""
     if scale == 1.0:
         return trace
     from fragsim.traces import Trace
 
     prompt = np.maximum(1, np.ceil(trace.prompt_len * scale)).astype(np.int64)
     output = np.maximum(1, np.ceil(trace.output_len * scale)).astype(np.int64)
-    return Trace(f"{trace.name}x{scale:g}", trace.source, trace.arrival_s, prompt, output,
+    return Trace(f"{trace.name}x{scale:g}", trace.source, trace.arrival_s * scale, prompt, output,
                  has_timestamps=True)
 
 

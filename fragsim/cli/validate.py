@@ -30,7 +30,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--allocator", default="ft-static,orca-max,orca-pow2,orca-oracle,vllm,contiguous",
                    help="comma list (default: %(default)s)")
     p.add_argument("--num-requests", type=_positive_int, default=None,
-                   help="requests to replay (default: 300 on cuda, 30 on cpu)")
+                   help="requests to replay (default: 300 on cuda, 60 on cpu)")
     p.add_argument("--offset", type=int, default=0, help="skip this many requests first")
     p.add_argument("--model", default="llama-2-13b", help="model whose KV budget sizes the pool")
     p.add_argument("--gpu", default="a100-40gb", help="GPU whose memory sizes the pool")
@@ -75,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
                            head_dim=args.head_dim or (128 if cuda else 16), dtype=args.dtype)
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
-    num_requests = args.num_requests or (300 if cuda else 30)
+    num_requests = args.num_requests or (300 if cuda else 60)
     scale = args.scale if args.scale is not None else (1.0 if cuda else 0.05)
     if scale > 1:
         raise FragsimError(f"--scale must be in (0, 1], got {scale}")
