@@ -48,10 +48,11 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 
 from fragsim.allocators.base import Extent, new_extent
+from fragsim.allocators.extents import ExtentBook
 from fragsim.allocators.reservation import UPFRONT_POLICIES, check_choice, check_int
 
 
-class BuddyAllocator:
+class BuddyAllocator(ExtentBook):
     """Binary buddy system over ``capacity`` slots (see the module docstring)."""
 
     __slots__ = (
@@ -165,18 +166,6 @@ class BuddyAllocator:
         self._requested[seq_id] = num_slots
         return extent
 
-    def extend(self, seq_id: int, num_slots: int) -> bool:
-        requested = self._requested.get(seq_id)
-        if requested is None:
-            raise ValueError(f"extend of unknown sequence {seq_id}")
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        total = requested + num_slots
-        if total > self._extents[seq_id].length:
-            return False
-        self._requested[seq_id] = total
-        return True
-
     def free(self, seq_id: int) -> None:
         extent = self._extents.pop(seq_id, None)
         if extent is None:
@@ -202,23 +191,6 @@ class BuddyAllocator:
 
     def largest_allocatable(self) -> int:
         return 1 << (self._nonempty.bit_length() - 1) if self._nonempty else 0
-
-    def placement(self, seq_id: int) -> Extent:
-        extent = self._extents.get(seq_id)
-        if extent is None:
-            raise ValueError(f"unknown sequence {seq_id}")
-        return extent
-
-    def num_owned(self, seq_id: int) -> int:
-        return self.placement(seq_id).length
-
-    def num_requested(self, seq_id: int) -> int:
-        self.placement(seq_id)
-        return self._requested[seq_id]
-
-    def seq_ids(self) -> list[int]:
-        """Live sequences in the order they were allocated."""
-        return list(self._requested)
 
     def free_lists(self) -> dict[int, list[int]]:
         """Free block offsets per order (non-empty orders only), lowest offset first."""

@@ -23,13 +23,14 @@ is two lookups, and in one index per policy that finds the hole to use
 from __future__ import annotations
 
 from fragsim.allocators.base import Extent, new_extent
+from fragsim.allocators.extents import ExtentBook
 from fragsim.allocators.holes import BestFitIndex, FirstFitIndex
 from fragsim.allocators.reservation import UPFRONT_POLICIES, check_choice, check_int
 
 FITS = ("first", "best")
 
 
-class ContiguousAllocator:
+class ContiguousAllocator(ExtentBook):
     """One extent per sequence, first or best fit, holes coalesced on free."""
 
     __slots__ = (
@@ -104,18 +105,6 @@ class ContiguousAllocator:
         self._requested[seq_id] = num_slots
         return extent
 
-    def extend(self, seq_id: int, num_slots: int) -> bool:
-        requested = self._requested.get(seq_id)
-        if requested is None:
-            raise ValueError(f"extend of unknown sequence {seq_id}")
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        total = requested + num_slots
-        if total > self._extents[seq_id].length:
-            return False
-        self._requested[seq_id] = total
-        return True
-
     def free(self, seq_id: int) -> None:
         extent = self._extents.pop(seq_id, None)
         if extent is None:
@@ -144,23 +133,6 @@ class ContiguousAllocator:
 
     def largest_allocatable(self) -> int:
         return self._index.largest()
-
-    def placement(self, seq_id: int) -> Extent:
-        extent = self._extents.get(seq_id)
-        if extent is None:
-            raise ValueError(f"unknown sequence {seq_id}")
-        return extent
-
-    def num_owned(self, seq_id: int) -> int:
-        return self.placement(seq_id).length
-
-    def num_requested(self, seq_id: int) -> int:
-        self.placement(seq_id)
-        return self._requested[seq_id]
-
-    def seq_ids(self) -> list[int]:
-        """Live sequences in the order they were allocated."""
-        return list(self._requested)
 
     def holes(self) -> list[tuple[int, int]]:
         """``(offset, size)`` of every hole, lowest offset first."""
