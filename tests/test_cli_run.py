@@ -1,0 +1,74 @@
+"""`fragsim run` as a user runs it: JSON Lines, the results folder, one-line errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from fragsim.cli import main
+
+JSON_KEYS = {
+    "allocator", "num_requests", "num_finished", "num_refused", "num_preemptions",
+    "num_blocked_fragmentation", "num_blocked_capacity", "capacity_slots",
+    "mean_token_states_slots", "mean_reservation_slots", "mean_internal_fragmentation_slots",
+    "mean_free_slots", "token_states_frac", "reservation_frac", "internal_fragmentation_frac",
+    "free_frac", "mean_external_fragmentation_ratio", "peak_external_fragmentation_ratio",
+    "mean_running", "peak_running", "throughput_tokens_per_s", "throughput_requests_per_s",
+    "mean_ttft_s", "p99_ttft_s", "mean_tpot_s", "mean_normalized_latency_s", "sim_time_s",
+    "wall_time_s",
+}
+
+
+def test_json_lines_one_object_per_allocator(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", "--num-requests", "120", "--allocator", "vllm,orca-pow2,contiguous",
+                 "--json", "--out", str(tmp_path), "--plot"])
+    assert code == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert [r["allocator"] for r in rows] == ["vllm", "orca-pow2", "contiguous"]
+    for row in rows:
+        assert JSON_KEYS <= row.keys()
+        fracs = row["token_states_frac"] + row["reservation_frac"] \
+            + row["internal_fragmentation_frac"] + row["free_frac"]
+        assert fracs == pytest.approx(1.0, abs=1e-12)
+        assert row["num_finished"] + row["num_refused"] == row["num_requests"] == 120
+    (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    names = {p.name for p in folder.iterdir()}
+    assert {"config.json", "summary.json", "memory_split.png", "memory_over_time.png",
+            "address_map.png", "requests-vllm.parquet", "timeseries-vllm.parquet"} <= names
+    config = json.loads((folder / "config.json").read_text())
+    assert config["seed"] == 0 and config["allocators"] == ["vllm", "orca-pow2", "contiguous"]
+    requests = pd.read_parquet(folder / "requests-vllm.parquet")
+    assert len(requests) == 120 and {"ttft_s", "normalized_latency_s", "status"} <= set(requests.columns)
+
+
+def test_table_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--num-requests", "60", "--allocator", "vllm,ft-static", "--no-save"]) == 0
+    out = capsys.readouterr().out
+    assert "token states" in out and "vllm" in out and "ft-static" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--allocator", "magic"], "--allocator: unknown magic"),
+    (["--max-num-batched-tokens", "8"], "max_num_batched_tokens (8) must be >= max_num_seqs"),
+    (["--trace", "sharegpt-paper"], "needs --rate"),
+    (["--model", "gpt-5"], "gpt-5"),
+    (["--kv-slots", "3", "--allocator", "vllm"], "block"),
+])
+def test_bad_options_give_one_line_errors(argv: list[str], message: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", "--num-requests", "10", "--no-save", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("fragsim: error:") and "\n" not in err
+    assert message in err
+
+
+def test_argparse_rejects_bad_values(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--rate", "-1"])
+    assert exc.value.code == 2
+    assert "--rate: must be > 0" in capsys.readouterr().err
