@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 
 class CostModel(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def step_time(self, num_prefill_tokens: int, prefill_attention_units: int,
                   num_decode: int, decode_context: int) -> float:
@@ -142,7 +143,7 @@ class RooflineCostModel:
         memory = nbytes / self._byte_rate
         comm = 0.0
         if self.tp > 1:
-            comm = float(np.float64(self._comm_time(np.array([tokens]))[0]))
+            comm = float(np.asarray(self._comm_time(np.array([tokens])))[0])
         return self.overhead_s + max(compute, memory) + comm
 
     def step_time(self, num_prefill_tokens: int, prefill_attention_units: int,

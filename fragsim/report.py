@@ -112,7 +112,8 @@ def comparison_table(summaries: Sequence[dict[str, Any]], title: str) -> Any:
         table.add_column(header, justify="left" if kind == "left" else "right", no_wrap=kind != "left")
     for s in summaries:
         row = []
-        for _, key, kind in columns:
+        for _, col, kind in columns:
+            key = col or ""
             if kind == "left":
                 row.append(str(s[key]))
             elif kind == "pct":

@@ -78,7 +78,7 @@ class KVPool:
     def assign(self, slots: torch.Tensor, req: int, positions: torch.Tensor, final: int) -> None:
         """Hand ``slots`` to ``req`` for ``positions``; they must be free."""
         if bool((self.owner[slots] >= 0).any()):
-            taken = slots[self.owner[slots] >= 0][:1].item()
+            taken = int(slots[self.owner[slots] >= 0][:1].item())
             raise ValidationError(f"request {req}: slot {taken} is already owned by "
                                  f"request {self.owner[taken].item()}")
         self.owner[slots] = req
@@ -95,7 +95,7 @@ class KVPool:
     def write(self, slots: torch.Tensor, req: int, positions: torch.Tensor) -> None:
         """Store the K/V of ``req`` at ``positions`` into ``slots`` (all layers)."""
         if bool((self.owner[slots] != req).any()):
-            bad = slots[self.owner[slots] != req][:1].item()
+            bad = int(slots[self.owner[slots] != req][:1].item())
             raise ValidationError(f"request {req}: writing slot {bad} owned by {self.owner[bad].item()}")
         reqs = torch.full_like(positions, req)
         for layer in range(self.num_layers):
