@@ -1,0 +1,322 @@
+"""The figure kinds a study can ask for, drawn from its combined table.
+
+``split_bars``  the vLLM paper's Figure 2: per allocator, a stacked bar of the
+                time-weighted KV split (token states / reservation / internal
+                fragmentation / free), one panel per value of ``panels``.
+``lines``       Figures 12-13 style: ``y`` against ``x``, one line per ``group``
+                value (default: allocator), one panel per ``panels`` value and
+                one row of panels per ``y`` column.
+``bars``        grouped bars: categories ``x``, one bar per ``group`` value, one
+                panel per ``y`` column (the seed cases' before/after comparisons).
+``timeseries``  a time-series column (e.g. ``external_fragmentation_ratio``)
+                against simulated time, one line per ``group`` value.
+
+Figures are built on ``matplotlib.figure.Figure`` directly, not pyplot, so they
+need no backend and leave no global state: the sweep saves them, a notebook
+displays them.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from matplotlib.figure import Figure
+
+from fragsim.errors import FragsimError
+from fragsim.report import SPLIT, SPLIT_COLORS, SPLIT_LABELS
+from fragsim.studies.schema import FigureSpec, Study
+
+#: the papers' names and a fixed colour and marker per system, so every figure agrees
+SYSTEMS: dict[str, tuple[str, str, str]] = {
+    "ft-static": ("FT (static)", "#4a5568", "x"),
+    "orca-max": ("Orca (Max)", "#c53030", "s"),
+    "orca-pow2": ("Orca (Pow2)", "#dd6b20", "^"),
+    "orca-oracle": ("Orca (Oracle)", "#b7791f", "D"),
+    "vllm": ("vLLM", "#2b6cb0", "o"),
+    "static": ("static", "#4a5568", "x"),
+    "contiguous": ("contiguous", "#805ad5", "v"),
+    "buddy": ("buddy", "#c53030", "s"),
+    "paged": ("paged", "#2b6cb0", "o"),
+}
+
+LABELS: dict[str, str] = {
+    "rate": "request rate (req/s)",
+    "block_size": "block size (tokens)",
+    "mean_running": "batched requests (mean)",
+    "peak_running": "batched requests (peak)",
+    "mean_normalized_latency_s": "normalized latency (s/token)",
+    "throughput_tokens_per_s": "throughput (output tokens/s)",
+    "internal_fragmentation_frac": "internal fragmentation (% of KV)",
+    "token_states_frac": "token states: KV utilization (%)",
+    "mean_blocks_per_request": "blocks per request (mean)",
+    "refusal_rate": "refused (% of requests)",
+    "mean_ttft_s": "time to first token, mean (s)",
+    "p99_ttft_s": "time to first token, p99 (s)",
+    "mean_e2e_latency_s": "end-to-end latency, mean (s)",
+    "sim_time_s": "time to serve all requests (s)",
+    "external_fragmentation_ratio": "1 − largest free extent / free",
+    "mean_external_fragmentation_ratio": "external fragmentation, mean",
+    "peak_external_fragmentation_ratio": "external fragmentation, peak",
+    "num_blocked_fragmentation": "admissions blocked by fragmentation",
+    "num_refused": "requests refused",
+    "time_s": "simulated time (s)",
+    "workload_long_frac": "share of long requests",
+    "case": "",
+    "num_requests": "requests",
+    "batching": "batching",
+}
+
+#: fractions drawn as percentages
+PERCENT = {"token_states_frac", "reservation_frac", "internal_fragmentation_frac", "free_frac",
+           "refusal_rate"}
+
+
+def draw(spec: FigureSpec, table: pd.DataFrame, timeseries: pd.DataFrame | None,
+         study: Study | None = None) -> Figure:
+    """Draw one figure; a column it names that the table lacks is a FragsimError."""
+    where = f"{study.path.name}: " if study is not None else ""
+    source = table
+    if spec.kind == "timeseries":
+        if timeseries is None:
+            raise FragsimError(f"{where}figure {spec.file}: needs [study] timeseries = true")
+        keep = [c for c in table.columns if c not in timeseries.columns or c in ("point_id", "allocator")]
+        source = timeseries.merge(table[keep], on=["point_id", "allocator"], how="left")
+    needed = [c for c in (spec.x, *spec.y, *spec.panels, spec.group) if c]
+    missing = [c for c in needed if c not in source.columns]
+    if missing:
+        raise FragsimError(f"{where}figure {spec.file}: no column {missing[0]!r} in the "
+                           f"{'time series' if spec.kind == 'timeseries' else 'table'}")
+    kind = {"split_bars": _split_bars, "lines": _lines, "bars": _bars, "timeseries": _timeseries}
+    fig = kind[spec.kind](spec, source)
+    if spec.title:
+        fig.suptitle(spec.title, fontsize=11)
+    return fig
+
+
+# ---------------------------------------------------------------- helpers
+
+def _panels(table: pd.DataFrame, columns: Sequence[str]) -> list[tuple[Any, ...]]:
+    """Distinct values of ``columns``, one panel each: ordered by the first column's
+    values in order of appearance, then the second's, and so on."""
+    if not columns:
+        return [()]
+    text = table[list(columns)].astype(str)
+    ranks = [{v: i for i, v in enumerate(dict.fromkeys(text[c]))} for c in columns]
+    first = text.drop_duplicates()
+    combos = sorted(first.index, key=lambda i: tuple(r[text.loc[i, c]] for r, c in zip(ranks, columns, strict=True)))
+    return [tuple(table.loc[i, c] for c in columns) for i in combos]
+
+
+def _select(table: pd.DataFrame, columns: Sequence[str], values: tuple[Any, ...]) -> pd.DataFrame:
+    mask = np.ones(len(table), dtype=bool)
+    for column, value in zip(columns, values, strict=True):
+        mask &= (table[column].astype(str) == str(value)).to_numpy()
+    return table[mask]
+
+
+def _panel_title(columns: Sequence[str], values: tuple[Any, ...]) -> str:
+    parts = []
+    for column, value in zip(columns, values, strict=True):
+        text = os.path.basename(str(value)) if column == "trace" else str(value)
+        parts.append(text if column in ("case", "trace", "model", "gpu") else f"{_label(column)} = {text}")
+    return ", ".join(parts)
+
+
+def _tick(column: str, value: Any) -> str:
+    """A category label that fits under a bar group: trace files by their stem."""
+    text = str(value)
+    if column == "trace":
+        text = os.path.splitext(os.path.basename(text))[0].replace("_", " ")
+    return textwrap.fill(text, 16)
+
+
+def _style(group: str, value: Any, index: int) -> dict[str, Any]:
+    if group == "allocator" and value in SYSTEMS:
+        label, color, marker = SYSTEMS[value]
+        return {"label": label, "color": color, "marker": marker}
+    palette = ["#2b6cb0", "#c53030", "#2f855a", "#dd6b20", "#805ad5", "#4a5568", "#b7791f"]
+    markers = "osD^vx*"
+    label = f"{_label(group)} = {value}" if group not in ("case", "trace") else _tick(group, value)
+    return {"label": label, "color": palette[index % len(palette)], "marker": markers[index % len(markers)]}
+
+
+def _groups(table: pd.DataFrame, group: str) -> list[Any]:
+    return list(dict.fromkeys(table[group].tolist()))
+
+
+def _values(frame: pd.DataFrame, column: str) -> np.ndarray:
+    values = frame[column].to_numpy(dtype=np.float64)
+    return 100 * values if column in PERCENT else values
+
+
+def _label(column: str) -> str:
+    return LABELS.get(column, column)
+
+
+def _grid(rows: int, cols: int, width: float = 3.6, height: float = 2.9) -> tuple[Figure, np.ndarray]:
+    fig = Figure(figsize=(width * cols + 0.6, height * rows + 0.5), layout="constrained")
+    axes = np.asarray(fig.subplots(rows, cols, squeeze=False))
+    return fig, axes
+
+
+def _one_per(frame: pd.DataFrame, columns: Sequence[str], spec: FigureSpec) -> None:
+    if frame.duplicated(subset=list(columns)).any():
+        raise FragsimError(f"figure {spec.file}: several rows per {', '.join(columns)}; "
+                           "add the swept columns to `panels`")
+
+
+def _legend(fig: Figure, axes: np.ndarray, spec: FigureSpec) -> None:
+    """One legend for the figure, unless the panel titles already name every group."""
+    if spec.group in spec.panels:
+        return
+    entries: dict[str, Any] = {}
+    for ax in axes.flat:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            entries.setdefault(label, handle)
+    # Below the panels: a legend at the top right collides with a centred title.
+    fig.legend(list(entries.values()), list(entries), loc="outside lower center", frameon=False,
+               fontsize=8, ncol=min(len(entries), 6))
+
+
+def _bar_value(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def _finish(ax: Any, spec: FigureSpec) -> None:
+    if spec.hline is not None:
+        ax.axhline(100 * spec.hline if spec.y and spec.y[0] in PERCENT else spec.hline,
+                   color="#e53e3e", linestyle="--", linewidth=1)
+    if spec.logy:
+        ax.set_yscale("log")
+    else:
+        ax.ticklabel_format(axis="y", useOffset=False)
+    if spec.ymax is not None:
+        ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]) if spec.logy else 0.0, top=spec.ymax)
+    ax.grid(True, alpha=0.3, linewidth=0.6)
+
+
+# ---------------------------------------------------------------- kinds
+
+def _split_bars(spec: FigureSpec, table: pd.DataFrame) -> Figure:
+    panels = _panels(table, spec.panels)
+    cols = 3 if len(panels) > 4 else len(panels)
+    rows = -(-len(panels) // cols)
+    fig, axes = _grid(rows, cols, width=max(2.4, 0.75 * len(_groups(table, spec.group)) + 0.8),
+                      height=3.4)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, values in zip(axes.flat, panels, strict=False):
+        sub = _select(table, spec.panels, values)
+        _one_per(sub, [spec.group], spec)
+        names = sub[spec.group].tolist()
+        labels = [_style(spec.group, n, i)["label"] for i, n in enumerate(names)]
+        bottom = np.zeros(len(sub))
+        for part in SPLIT:
+            heights = 100 * sub[f"{part}_frac"].to_numpy(dtype=np.float64)
+            ax.bar(labels, heights, bottom=bottom, color=SPLIT_COLORS[part], width=0.7,
+                   label=SPLIT_LABELS[part], edgecolor="white", linewidth=0.5)
+            for x, (h, b) in enumerate(zip(heights, bottom, strict=True)):
+                if part == "token_states" or h >= 12:
+                    ax.text(x, b + h / 2, f"{h:.1f}", ha="center", va="center", fontsize=7,
+                            color="black" if part == "free" else "white")
+            bottom += heights
+        ax.set_ylim(0, 100)
+        ax.set_title(_panel_title(spec.panels, values), fontsize=9)
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("KV cache memory (%)")
+    axes[0, -1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False, fontsize=8)
+    return fig
+
+
+def _lines(spec: FigureSpec, table: pd.DataFrame) -> Figure:
+    assert spec.x is not None
+    panels = _panels(table, spec.panels)
+    groups = _groups(table, spec.group)
+    # One row per y column and one column per panel, or the transpose when there
+    # are more y columns than panels, so that the figure stays landscape.
+    across = len(spec.y) > len(panels)
+    fig, axes = _grid(len(panels), len(spec.y)) if across else _grid(len(spec.y), len(panels))
+    for r, y in enumerate(spec.y):
+        for c, values in enumerate(panels):
+            ax = axes[c, r] if across else axes[r, c]
+            sub = _select(table, spec.panels, values)
+            for i, g in enumerate(groups):
+                line = sub[sub[spec.group] == g].sort_values(spec.x)
+                if len(line):
+                    ax.plot(line[spec.x].to_numpy(dtype=np.float64), _values(line, y),
+                            markersize=4, linewidth=1.4, **_style(spec.group, g, i))
+            if spec.logx:
+                ax.set_xscale("log", base=2)
+            _finish(ax, spec)
+            if across:
+                title = _label(y) + (f"\n{_panel_title(spec.panels, values)}" if spec.panels else "")
+                ax.set_title(title, fontsize=9)
+            else:
+                if r == 0 and spec.panels:
+                    ax.set_title(_panel_title(spec.panels, values), fontsize=9)
+                if c == 0:
+                    ax.set_ylabel(_label(y), fontsize=9)
+            if (c == len(panels) - 1) if across else (r == len(spec.y) - 1):
+                ax.set_xlabel(_label(spec.x), fontsize=9)
+    _legend(fig, axes, spec)
+    return fig
+
+
+def _bars(spec: FigureSpec, table: pd.DataFrame) -> Figure:
+    assert spec.x is not None
+    panels = _panels(table, spec.panels)
+    groups = _groups(table, spec.group)
+    fig, axes = _grid(len(panels), len(spec.y), width=3.2)
+    width = 0.8 / len(groups)
+    for r, values in enumerate(panels):
+        sub = _select(table, spec.panels, values)
+        _one_per(sub, [spec.x, spec.group], spec)
+        categories = list(dict.fromkeys(sub[spec.x].tolist()))
+        for c, y in enumerate(spec.y):
+            ax = axes[r, c]
+            for i, g in enumerate(groups):
+                rows = sub[sub[spec.group] == g].set_index(spec.x).reindex(categories)
+                heights = _values(rows.reset_index(), y)
+                xs = np.arange(len(categories)) + (i - (len(groups) - 1) / 2) * width
+                style = _style(spec.group, g, i)
+                bars = ax.bar(xs, heights, width=width * 0.95, color=style["color"], label=style["label"])
+                if len(groups) <= 3:  # more labels than that overlap
+                    ax.bar_label(bars, fmt=_bar_value, fontsize=6, padding=1)
+            ax.set_xticks(np.arange(len(categories)), [_tick(spec.x, v) for v in categories], fontsize=8)
+            ax.set_title(_label(y) + (f"\n{_panel_title(spec.panels, values)}" if spec.panels else ""),
+                         fontsize=9)
+            ax.margins(y=0.15)
+            if r == len(panels) - 1:
+                ax.set_xlabel(_label(spec.x), fontsize=9)
+            _finish(ax, spec)
+    _legend(fig, axes, spec)
+    return fig
+
+
+def _timeseries(spec: FigureSpec, series: pd.DataFrame) -> Figure:
+    panels = _panels(series, spec.panels)
+    groups = _groups(series, spec.group)
+    fig, axes = _grid(len(spec.y), len(panels), width=5.0)
+    for r, y in enumerate(spec.y):
+        for c, values in enumerate(panels):
+            ax = axes[r, c]
+            sub = _select(series, spec.panels, values)
+            for i, g in enumerate(groups):
+                line = sub[sub[spec.group] == g]
+                style = _style(spec.group, g, i)
+                ax.step(line["time_s"].to_numpy(dtype=np.float64), _values(line, y), where="post",
+                        color=style["color"], label=style["label"], linewidth=0.9)
+            _finish(ax, spec)
+            if r == 0 and spec.panels:
+                ax.set_title(_panel_title(spec.panels, values), fontsize=9)
+            if c == 0:
+                ax.set_ylabel(_label(y), fontsize=9)
+            ax.set_xlabel(_label("time_s"), fontsize=9)
+    _legend(fig, axes, spec)
+    return fig
