@@ -10,42 +10,5 @@ The implementation lives in the :mod:`fragsim.studies` package (schema, grid,
 workloads, runner, figures, locate); this module keeps the short import path.
 """
 
-from fragsim.studies import (
-    WORKLOAD_KINDS,
-    Case,
-    FigureSpec,
-    Run,
-    Study,
-    StudyResult,
-    build_trace,
-    draw,
-    expand,
-    find_reference,
-    find_study_file,
-    key_columns,
-    load_study,
-    lognormal_params,
-    run_one,
-    run_study,
-    study_table,
-)
-
-__all__ = [
-    "WORKLOAD_KINDS",
-    "Case",
-    "FigureSpec",
-    "Run",
-    "Study",
-    "StudyResult",
-    "build_trace",
-    "draw",
-    "expand",
-    "find_reference",
-    "find_study_file",
-    "key_columns",
-    "load_study",
-    "lognormal_params",
-    "run_one",
-    "run_study",
-    "study_table",
-]
+from fragsim.studies import *  # noqa: F403  (the short import path re-exports it all)
+from fragsim.studies import __all__  # noqa: F401
