@@ -6,9 +6,13 @@ one global step counter ``g`` (steps completed so far) and each row an offset::
     filled(row) = offset[row] + g          (tokens whose KV is stored)
 
 so ending a step is ``g += 1`` for the whole batch, whatever its size. Rows are
-kept in no particular order; ``rank`` (the request's arrival rank) gives the
+kept in no particular order; ``req`` (the request's arrival rank) gives the
 order when one is needed (growth in arrival order, the latest arrival as the
 preemption victim).
+
+A row is one *sequence*: ``seq`` is its id with the allocator. A request decodes
+one sequence, whose id is the request's own, unless it samples several or
+searches a beam (:mod:`fragsim.sharing`): then several rows share one ``req``.
 """
 
 from __future__ import annotations
@@ -19,12 +23,13 @@ import numpy as np
 class DecodeBatch:
     """Struct of arrays over the sequences in their decode phase."""
 
-    __slots__ = ("n", "req", "offset", "owned", "requested", "final", "_cap")
+    __slots__ = ("n", "req", "seq", "offset", "owned", "requested", "final", "_cap")
 
     def __init__(self, capacity: int = 64) -> None:
         self._cap = capacity
         self.n = 0
         self.req = np.zeros(capacity, dtype=np.int64)        # request index == arrival rank
+        self.seq = np.zeros(capacity, dtype=np.int64)        # the allocator's sequence id
         self.offset = np.zeros(capacity, dtype=np.int64)     # filled = offset + g
         self.owned = np.zeros(capacity, dtype=np.int64)      # slots held (allocator's rounding)
         self.requested = np.zeros(capacity, dtype=np.int64)  # slots asked of the allocator
@@ -32,17 +37,19 @@ class DecodeBatch:
 
     def _grow(self) -> None:
         self._cap *= 2
-        for name in ("req", "offset", "owned", "requested", "final"):
+        for name in ("req", "seq", "offset", "owned", "requested", "final"):
             old = getattr(self, name)
             new = np.zeros(self._cap, dtype=old.dtype)
             new[: self.n] = old[: self.n]
             setattr(self, name, new)
 
-    def add(self, req: int, filled: int, g: int, owned: int, requested: int, final: int) -> None:
+    def add(self, req: int, filled: int, g: int, owned: int, requested: int, final: int,
+            seq: int | None = None) -> None:
         if self.n == self._cap:
             self._grow()
         i = self.n
         self.req[i] = req
+        self.seq[i] = req if seq is None else seq
         self.offset[i] = filled - g
         self.owned[i] = owned
         self.requested[i] = requested
@@ -53,7 +60,7 @@ class DecodeBatch:
         """Swap-remove ``row`` (the last row takes its place)."""
         last = self.n - 1
         if row != last:
-            for arr in (self.req, self.offset, self.owned, self.requested, self.final):
+            for arr in (self.req, self.seq, self.offset, self.owned, self.requested, self.final):
                 arr[row] = arr[last]
         self.n = last
 
@@ -61,7 +68,7 @@ class DecodeBatch:
         keep = np.ones(self.n, dtype=bool)
         keep[rows] = False
         m = int(keep.sum())
-        for arr in (self.req, self.offset, self.owned, self.requested, self.final):
+        for arr in (self.req, self.seq, self.offset, self.owned, self.requested, self.final):
             arr[:m] = arr[: self.n][keep]
         self.n = m
 

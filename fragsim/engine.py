@@ -33,6 +33,13 @@ admitted, a completion, a queue timeout, a failed block allocation), and those
 steps run through the same code as ``exact_steps`` mode, which runs every step on
 its own. Both modes see bit-identical step times and make the same decisions, so
 their summaries agree (tests compare them).
+
+Block sharing (parallel samples, beam search, prefix caching) is
+:class:`fragsim.sharing.SharingEngine`, this engine with sharing-aware admission,
+growth, completion and preemption; here it shows only as ``shared_total``, the
+slots that Σ owned counts more than once, subtracted wherever the split is
+recorded. Stretches keep working for samples and prefix caching; beams fork every
+step, so a beam-search run goes step by step in both modes.
 """
 
 from __future__ import annotations
@@ -82,6 +89,11 @@ class EngineConfig:
     max_jump_steps: int = 4096
     address_map_interval_s: float | None = None  # sample slot owners this often (figures)
     address_map_bins: int = 512
+    # Block sharing (fragsim.sharing.SharingEngine runs these; a paged allocator with fork):
+    num_samples: int = 1                 # parallel sampling: sequences decoded per prompt
+    beam_width: int = 1                  # beam search width
+    prefix_caching: bool = False
+    sharing_seed: int = 0                # which beams survive each step
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -96,10 +108,28 @@ class EngineConfig:
         need(self.queue_timeout_s is None or self.queue_timeout_s > 0,
              f"queue_timeout must be > 0 seconds, got {self.queue_timeout_s}")
         need(self.max_jump_steps >= 1, f"max_jump_steps must be >= 1, got {self.max_jump_steps}")
+        need(self.num_samples >= 1, f"num_samples must be >= 1, got {self.num_samples}")
+        need(self.beam_width >= 1, f"beam_width must be >= 1, got {self.beam_width}")
+        need(self.num_samples == 1 or self.beam_width == 1,
+             f"choose parallel sampling or beam search, got num_samples={self.num_samples} "
+             f"and beam_width={self.beam_width}")
+        need(self.width <= self.max_num_seqs,
+             f"a request decodes {self.width} sequences, more than max_num_seqs ({self.max_num_seqs})")
+        need(not self.sharing or self.batching == "continuous",
+             "block sharing (samples, beams, prefix caching) needs continuous batching")
         tokens = self.num_batched_tokens
         need(tokens >= self.max_num_seqs,
              f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({self.max_num_seqs}): "
              "every running sequence decodes one token per step")
+
+    @property
+    def width(self) -> int:
+        """Sequences each request decodes: its samples or beams (1 without either)."""
+        return max(self.num_samples, self.beam_width)
+
+    @property
+    def sharing(self) -> bool:
+        return self.width > 1 or self.prefix_caching
 
     @property
     def num_batched_tokens(self) -> int:
@@ -124,6 +154,12 @@ class LiveSequence:
     filled: int    # tokens stored now
     final: int     # prompt + output
     decoding: bool
+    seq: int = -1  # the allocator's sequence id; -1: the request's own (req)
+    cached: int = 0  # leading positions found in the prefix cache at its admission (not its writes)
+
+    @property
+    def seq_id(self) -> int:
+        return self.req if self.seq < 0 else self.seq
 
 
 @dataclass(slots=True)
@@ -133,8 +169,11 @@ class _Prefill:
     req: int
     target: int       # tokens to process
     done: int         # processed so far; filled == done until the last chunk
-    owned: int
+    owned: int        # Σ over its sequences
     requested: int
+    seqs: tuple[int, ...] = ()  # sharing runs: its sequences, the request's own first
+    shared: int = 0   # slots its sequences share among themselves (forked from the first)
+    cached: int = 0   # leading tokens found in the prefix cache (done started there)
 
 
 class Engine:
@@ -181,8 +220,10 @@ class Engine:
         self.swapped: deque[tuple[int, int, int]] = deque()  # (req, filled, slots held in CPU)
         self.swap_used = 0
         self.batch = DecodeBatch()
-        self.owned_total = 0
+        self.owned_total = 0            # Σ owned over sequences (a shared slot once per holder)
         self.internal_total = 0
+        self.shared_total = 0           # slots owned_total counts more than once (sharing runs)
+        self.num_prefill_tokens = 0     # prompt tokens computed (prefix-cache hits are not)
         self.num_done = 0
         self._quiet = False
         self._static_running = False
@@ -204,7 +245,7 @@ class Engine:
         final = self.prompt + self.output
         # What the request must eventually hold, after the placement's rounding.
         if self.grows:
-            need = final
+            need = self._eventual_need(final)
         else:
             policy = self.alloc.reserve
             need = np.array([reserve_slots(policy, int(p), int(o), cfg.max_seq_len)
@@ -224,6 +265,14 @@ class Engine:
         self.next_servable = np.append(self.next_servable, self.N)
 
     # --------------------------------------------------------------- bookkeeping
+
+    def _eventual_need(self, final: np.ndarray) -> np.ndarray:
+        """Slots a request holds at its largest, for a placement that grows on demand."""
+        return final
+
+    def _dup_filled(self) -> int:
+        """Stored tokens that Σ filled counts more than once (only sharing runs have any)."""
+        return self.shared_total
 
     def _take(self, req: int, owned: int, delta: int = 1) -> None:
         self.owned_total += delta * owned
@@ -306,8 +355,8 @@ class Engine:
             raise RuntimeError("growth failed with nothing running to preempt")
         filled = int(b.offset[cand_row]) + self.g
         owned = int(b.owned[cand_row])
+        self.alloc.free(int(b.seq[cand_row]))
         b.remove(cand_row)
-        self.alloc.free(cand)
         self._take(cand, owned, -1)
         self._requeue(cand, filled, owned)
         return cand
@@ -341,12 +390,12 @@ class Engine:
                 return
             if len(need) > 1:
                 need = need[np.argsort(b.req[need], kind="stable")]
-            for row, req, offset, owned, requested in zip(
-                    need.tolist(), b.req[need].tolist(), b.offset[need].tolist(),
+            for row, req, seq, offset, owned, requested in zip(
+                    need.tolist(), b.req[need].tolist(), b.seq[need].tolist(), b.offset[need].tolist(),
                     b.owned[need].tolist(), b.requested[need].tolist(), strict=True):
                 target = offset + self.g + 1
-                if extend(req, target - requested):
-                    new_owned = num_owned(req)
+                if extend(seq, target - requested):
+                    new_owned = num_owned(seq)
                     final = int(self.final[req])
                     self.owned_total += new_owned - owned
                     self.internal_total += max(0, new_owned - final) - max(0, owned - final)
@@ -433,9 +482,13 @@ class Engine:
         else:
             return 0.0
         token_states = decode_context + sum(p.done for p in self.prefilling)
-        self.rec.record(self.now, dt, token_states, self.owned_total, self.internal_total,
+        owned = self.owned_total
+        if self.shared_total:
+            token_states -= self._dup_filled()
+            owned -= self.shared_total
+        self.rec.record(self.now, dt, token_states, owned, self.internal_total,
                         self.alloc.largest_allocatable(), self._num_running(),
-                        len(self.waiting) + len(self.swapped))
+                        len(self.waiting) + len(self.swapped), self.shared_total)
         if cfg.check:
             self._check()
         if self.observer is not None:
@@ -454,6 +507,7 @@ class Engine:
         g = self.g
         for p, chunk in self._chunks:
             p.done += chunk
+            self.num_prefill_tokens += chunk
             if p.done < p.target:
                 continue
             self.prefilling.remove(p)
@@ -468,9 +522,10 @@ class Engine:
         if len(done):
             for row in done:
                 req = int(b.req[row])
-                self.alloc.free(req)
+                self.alloc.free(int(b.seq[row]))
                 self._take(req, int(b.owned[row]), -1)
-                self._finish(req)
+                if self.status[req] != FINISHED:  # several rows of one request end together
+                    self._finish(req)
             b.remove_rows(done)
             self._freed = True
 
@@ -504,21 +559,26 @@ class Engine:
                     k = int(hit[0])
         if k <= 0:
             return 0.0
+        # Shared slots stay put during a stretch (nothing forks, frees or is admitted), and
+        # every shared block is full: Σ owned and Σ filled both count them `shared` too often.
+        shared = self.shared_total
         if self.grows:
             k, owned_steps, internal_steps = self._jump_growth(filled0, k)
             if k <= 0:
                 return 0.0
+            if shared:
+                owned_steps = owned_steps - shared
             largest = self.capacity - owned_steps
         else:
             owned_steps = np.full(k, self.owned_total, dtype=np.int64)
             internal_steps = np.full(k, self.internal_total, dtype=np.int64)
             largest = np.full(k, self.alloc.largest_allocatable(), dtype=np.int64)
-        token_states = ctx[:k]
+        token_states = ctx[:k] - shared if shared else ctx[:k]
         pulled = np.searchsorted(self.arrival, starts[:k], side="right")
         waiting = len(self.waiting) + len(self.swapped) \
             + self.servable_cum[pulled] - self.servable_cum[self._next]
         self.rec.record_steps(self.now, dts[:k], token_states, owned_steps, internal_steps,
-                              largest, n, waiting)
+                              largest, n, waiting, shared)
         self.now = float(starts[k])
         self.g += k
         self.num_steps += k
@@ -546,7 +606,7 @@ class Engine:
         step = j0[rows] + B * within
         per_step = np.bincount(step, minlength=k)
         cum = np.cumsum(per_step)
-        free_blocks = (self.capacity - self.owned_total) // B
+        free_blocks = (self.capacity - self.owned_total + self.shared_total) // B
         over = np.flatnonzero(cum > free_blocks)
         if len(over):
             k = int(over[0])
@@ -565,7 +625,7 @@ class Engine:
         for i in order:
             row = int(rows[i])
             target = int(filled0[row]) + int(step[i]) + 1
-            if not extend(int(b.req[row]), target - int(b.requested[row])):
+            if not extend(int(b.seq[row]), target - int(b.requested[row])):
                 raise AssertionError("paged growth failed inside a stretch that had room for it")
             b.requested[row] = target
             b.owned[row] += B
@@ -605,7 +665,8 @@ class Engine:
         self.now = self.now + dt
         self.num_steps += 1
         self.g += 1
-        for p, _chunk in self._chunks:
+        for p, chunk in self._chunks:
+            self.num_prefill_tokens += chunk
             self.generated[p.req] += 1
             self.first_token[p.req] = self.now
             b.add(p.req, p.target + 1, self.g, p.owned, p.requested, int(self.final[p.req]))
@@ -706,8 +767,9 @@ class Engine:
     def live_sequences(self) -> list[LiveSequence]:
         """Every request holding KV memory now, with what it has stored (the observer's view)."""
         b, g = self.batch, self.g
-        out = [LiveSequence(int(r), int(min(o + g, f)), int(f), True)
-               for r, o, f in zip(b.req[: b.n], b.offset[: b.n], b.final[: b.n], strict=True)]
+        out = [LiveSequence(int(r), int(min(o + g, f)), int(f), True, int(s))
+               for r, o, f, s in zip(b.req[: b.n], b.offset[: b.n], b.final[: b.n], b.seq[: b.n],
+                                     strict=True)]
         out += [LiveSequence(p.req, p.done, int(self.final[p.req]), False) for p in self.prefilling]
         return out
 
@@ -753,8 +815,7 @@ class Engine:
         assert internal == self.internal_total, (internal, self.internal_total)
         assert self.capacity - owned == self.alloc.num_free()
         for row in range(b.n):
-            req = int(b.req[row])
-            assert self.alloc.num_owned(req) == b.owned[row]
+            assert self.alloc.num_owned(int(b.seq[row])) == b.owned[row]
             assert int(b.offset[row]) + g <= b.final[row] or self.cfg.batching == "static"
         self.alloc.check()
 

@@ -19,6 +19,13 @@ The identity holds by construction; what can go wrong is the bookkeeping behind
 it, so :meth:`Recorder.record` checks the parts against each other and against
 the allocator (``free`` must equal the allocator's own count, every part >= 0).
 
+With shared blocks (parallel sampling, beam search, prefix caching) a slot held
+by several sequences is one slot: every part above counts physical slots, and
+``shared`` (slots that Σ owned(r) counts more than once) is integrated beside
+them, so that ``shared / (owned + shared)`` is the fraction of blocks sharing
+saves (the vLLM paper's Figure 15). How a shared slot is attributed is
+:mod:`fragsim.sharing`'s business; the recorder sees the physical parts.
+
 The engine reports piecewise-constant states: "from ``t`` for ``dt`` seconds the
 pool looked like this". Averages are the exact time integrals divided by the
 span, peaks the maxima over states held for a positive time. A stretch of many
@@ -122,14 +129,16 @@ class Recorder:
         self._integral = [0.0] * n
         self._peak = [0.0] * n
         self._span = 0.0
+        self._shared = 0.0        # ∫ shared slots dt
+        self._peak_shared = 0
         self._num_intervals = 0
         self._buckets: dict[int, list[float]] = {}
 
     # -- input -----------------------------------------------------------------
 
     def record(self, t: float, dt: float, token_states: int, owned: int, internal: int,
-               largest: int, running: int, waiting: int) -> None:
-        """One state held from ``t`` for ``dt`` seconds."""
+               largest: int, running: int, waiting: int, shared: int = 0) -> None:
+        """One state held from ``t`` for ``dt`` seconds (``owned``: physical slots)."""
         free = self.capacity - owned
         reservation = owned - token_states - internal
         if token_states < 0 or internal < 0 or reservation < 0 or free < 0:
@@ -142,16 +151,23 @@ class Recorder:
             raise AssertionError(f"at t={t}: largest allocatable {largest} exceeds free {free}")
         if dt <= 0:
             return
+        if shared:
+            self._shared += shared * dt
+            self._peak_shared = max(self._peak_shared, shared)
         ratio = 1.0 - largest / free if free > 0 else 0.0
         values = (token_states, reservation, internal, free, ratio, largest, running, waiting)
         self._add(t, dt, [v * dt for v in values], values)
 
     def record_steps(self, t0: float, dts: np.ndarray, token_states: np.ndarray, owned: np.ndarray,
                      internal: np.ndarray, largest: np.ndarray, running: int,
-                     waiting: np.ndarray) -> None:
-        """Consecutive states: state ``j`` starts at ``t0 + Σ dts[:j]`` and lasts ``dts[j]``."""
+                     waiting: np.ndarray, shared: int = 0) -> None:
+        """Consecutive states: state ``j`` starts at ``t0 + Σ dts[:j]`` and lasts ``dts[j]``
+        (``shared`` is constant over them: a stretch neither forks nor frees)."""
         if len(dts) == 0:
             return
+        if shared:
+            self._shared += shared * float(dts.sum())
+            self._peak_shared = max(self._peak_shared, shared)
         free = self.capacity - owned
         reservation = owned - token_states - internal
         if int(reservation.min()) < 0 or int(free.min()) < 0 or int((free - largest).min()) < 0:
@@ -214,6 +230,13 @@ class Recorder:
         if self._span <= 0:
             return {q: 0.0 for q in QUANTITIES}
         return {q: v / self._span for q, v in zip(QUANTITIES, self._integral, strict=True)}
+
+    def mean_shared(self) -> float:
+        """Time-weighted mean of the slots sharing saves (0 without sharing)."""
+        return self._shared / self._span if self._span > 0 else 0.0
+
+    def peak_shared(self) -> int:
+        return self._peak_shared
 
     def peaks(self) -> dict[str, float]:
         return {q: float(v) for q, v in zip(QUANTITIES, self._peak, strict=True)}

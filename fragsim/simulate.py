@@ -47,6 +47,7 @@ class RunSpec:
     catalog: str | None = None
     reserve: str | None = None            # override the allocator's reservation policy
     block_size: int = 16
+    page_kb: int = 2048                   # vmm physical page (KiB)
     fit: str = "first"                    # contiguous placement
     max_seq_len: int = 2048
     max_num_seqs: int = 256
@@ -69,6 +70,15 @@ class RunSpec:
     exact_steps: bool = False
     timeseries_resolution_s: float | None = None  # None: about 500 points over the trace
     address_map: bool = False
+    num_samples: int = 1                  # parallel sampling: sequences per prompt
+    beam_width: int = 1                   # beam search width
+    prefix_caching: bool = False
+    system_prompt_len: int = 0            # tokens of one system prompt before every prompt
+
+    @property
+    def sharing(self) -> bool:
+        """Blocks are shared: a paged allocator with fork runs it (fragsim.sharing)."""
+        return self.num_samples > 1 or self.beam_width > 1 or self.prefix_caching
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -92,8 +102,9 @@ def load_workload(spec: RunSpec) -> Any:
     if spec.trace in WORKLOADS:
         if spec.rate is None:
             raise FragsimError(f"workload {spec.trace!r} needs --rate (requests/s) for its arrivals")
-        return make_workload(spec.trace, spec.num_requests or 1000, spec.rate, seed=spec.seed,
-                             arrival=spec.arrival, cv=spec.cv)
+        return _with_system_prompt(
+            make_workload(spec.trace, spec.num_requests or 1000, spec.rate, seed=spec.seed,
+                          arrival=spec.arrival, cv=spec.cv), spec)
     trace = load_trace(spec.trace)
     if spec.time_window_s is not None:
         start, end = spec.time_window_s
@@ -106,7 +117,18 @@ def load_workload(spec: RunSpec) -> Any:
         raise FragsimError(
             f"{trace.name} has lengths but no arrival times; give --rate (requests/s) "
             "and optionally --arrival poisson|gamma --cv X")
-    return trace
+    return _with_system_prompt(trace, spec)
+
+
+def _with_system_prompt(trace: Any, spec: RunSpec) -> Any:
+    if not spec.system_prompt_len:
+        return trace
+    from fragsim.prefix import with_system_prompt
+
+    try:
+        return with_system_prompt(trace, spec.system_prompt_len)
+    except ValueError as exc:
+        raise FragsimError(f"--system-prompt-len: {exc}") from None
 
 
 def _model_gpu(spec: RunSpec) -> tuple[Any, Any]:
@@ -131,14 +153,31 @@ def pool_slots(spec: RunSpec) -> int:
 def make_allocator(name: str, capacity: int, spec: RunSpec) -> Any:
     placement = PRESETS[name][0] if name in PRESETS else name
     options: dict[str, Any] = {"max_seq_len": spec.max_seq_len}
-    if placement == "paged":
+    if placement in ("paged", "paged-shared"):
         if name not in PRESETS or spec.block_size != 16:
             options["block_size"] = spec.block_size
+        if spec.sharing:
+            from fragsim.allocators import SharedPagedAllocator
+
+            try:
+                return SharedPagedAllocator(capacity, name=name, **options)
+            except ValueError as exc:
+                raise FragsimError(f"allocator {name!r}: {exc}") from None
+    elif spec.sharing:
+        raise FragsimError(
+            f"allocator {name!r} ({placement}) cannot share blocks; parallel sampling, beam search "
+            "and prefix caching need a paged one: --allocator vllm (or paged)")
+    if placement == "vmm":
+        model, _ = _model_gpu(spec)
+        # One token of one layer's K (or V) buffer on one GPU: the unit pages are cut into.
+        options["token_bytes"] = model.kv_heads_per_gpu(spec.tp) * model.head_dim * model.dtype_bytes
+        if name not in PRESETS or spec.page_kb != 2048:
+            options["page_bytes"] = spec.page_kb * 1024
     if placement == "contiguous":
         options["fit"] = spec.fit
     if placement == "static":
         options["max_num_seqs"] = spec.max_num_seqs
-    if spec.reserve is not None and placement not in ("paged",) and name not in PRESETS:
+    if spec.reserve is not None and placement not in ("paged", "vmm") and name not in PRESETS:
         options["reserve"] = spec.reserve
     try:
         return create(name, capacity, **options)
@@ -170,9 +209,15 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
             queue_timeout_s=spec.queue_timeout_s, truncate_prompts=spec.truncate_prompts,
             exact_steps=spec.exact_steps, check=check, timeseries_resolution_s=resolution,
             address_map_interval_s=(resolution * 4 if spec.address_map else None),
+            num_samples=spec.num_samples, beam_width=spec.beam_width,
+            prefix_caching=spec.prefix_caching, sharing_seed=spec.seed,
         )
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
+    if config.sharing:
+        from fragsim.sharing import SharingEngine
+
+        return SharingEngine(trace, allocator, cost, config, progress=progress)
     return Engine(trace, allocator, cost, config, progress=progress)
 
 
@@ -194,7 +239,8 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(out_len > 1, (engine.finish - engine.first_token) / (out_len - 1), np.nan)
     span = rec.span_s
-    out_tokens = int(engine.output[done].sum())
+    # Every sample or beam generates its tokens (the request returns the output length).
+    out_tokens = int(engine.output[done].sum()) * engine.cfg.width
     counters = rec.counters.to_dict()
     summary: dict[str, Any] = {
         "allocator": allocator_name,
@@ -230,6 +276,8 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
         "mean_e2e_latency_s": float(np.mean(e2e[done])) if done.any() else math.nan,
         "p99_e2e_latency_s": _pct(e2e[done], 99),
         "mean_normalized_latency_s": float(np.mean(e2e[done] / out_len[done])) if done.any() else math.nan,
+        "num_prefill_tokens": engine.num_prefill_tokens,
+        **_sharing_summary(engine, means["free"]),
         "sim_time_s": span,
         "num_steps": engine.num_steps,
         "num_events": engine.num_events,
@@ -251,6 +299,30 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
         "num_preemptions": engine.preemptions,
     })
     return summary, requests
+
+
+def _sharing_summary(engine: Engine, mean_free: float) -> dict[str, Any]:
+    """Prefix-cache counts (vLLM's names, in tokens), blocks saved by sharing, vmm page tails.
+
+    ``blocks_saved_frac`` is the vLLM paper's Figure-15 quantity: blocks sharing saves
+    over the blocks the same sequences would hold without it, both time-averaged.
+    """
+    alloc = engine.alloc
+    shared = engine.rec.mean_shared()
+    physical = engine.capacity - mean_free
+    stats = getattr(engine, "prefix_cache_stats", None)
+    out: dict[str, Any] = dict(stats()) if stats is not None else {
+        "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_rate": 0.0}
+    out.update({
+        "num_prefix_cache_evictions": int(getattr(alloc, "num_evictions", 0)),
+        "mean_shared_slots": shared,
+        "blocks_saved_frac": shared / (physical + shared) if physical + shared > 0 else 0.0,
+        "vmm_tokens_per_page": int(getattr(alloc, "tokens_per_page", 0)),
+        # Bytes of the pool no token can use: the page tails of every K and V buffer.
+        "page_tail_bytes": int(getattr(alloc, "page_tail_bytes", 0))
+        * (engine.cfg.kv_bytes_per_token // alloc.token_bytes if hasattr(alloc, "token_bytes") else 0),
+    })
+    return out
 
 
 def simulate(trace: Any, allocator_name: str, spec: RunSpec,

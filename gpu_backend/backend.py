@@ -158,7 +158,7 @@ class DeviceBackend:
         lens = torch.tensor([live[r].filled for r in reqs], dtype=torch.int32, device=device)
         q = query_values(torch.tensor(reqs, device=device), self._step, self.num_q_heads,
                          pool.head_dim, pool.dtype)
-        paged = self.allocator.placement_name == "paged"
+        paged = self.allocator.placement_name in ("paged", "vmm")
         scale = pool.head_dim ** -0.5
         for layer in self.attention_layers:
             if paged:
@@ -194,7 +194,7 @@ class DeviceBackend:
     def _measured_largest(self) -> int:
         a, pool = self.allocator, self.pool
         kind = a.placement_name
-        if kind == "paged":
+        if kind in ("paged", "vmm"):
             return pool.free_blocks(a.block_size, a.num_blocks) * a.block_size
         if kind == "static":
             entries = [pool.largest_free_run(i * a.max_seq_len, (i + 1) * a.max_seq_len)
@@ -227,3 +227,287 @@ def _binary_decomposition(capacity: int) -> list[tuple[int, int]]:
             out.append((offset, size))
             offset += size
     return out
+
+
+# ------------------------------------------------------------------ block sharing
+
+@dataclass
+class _Shared:
+    """What the device knows of one sequence of a sharing run."""
+
+    req: int
+    epoch: int                 # the request's preemption count when it was placed
+    slots: torch.Tensor        # slot of each owned position, in sequence order
+    content: torch.Tensor      # content id of each owned position (whose K/V it holds)
+    stored: int                # leading positions that hold their K/V on the device
+
+
+@dataclass
+class SharedDeviceBackend(DeviceBackend):
+    """The device side of a :class:`~fragsim.sharing.SharingEngine` run.
+
+    A slot may have several holders, so the device keeps a reference count per slot
+    (``ref``, recomputed from every live block table each step) beside the pool's
+    owner (one of the holders), position (the same for all of them, or it is an
+    error) and final length (the largest of theirs: a slot is internal
+    fragmentation only when no holder will ever fill it).
+
+    What a position holds is a *content id*: a prompt position the request's own
+    id, or, for a block the prefix cache keys, an id of that key (equal prefixes,
+    equal K/V); a generated position the id of the sequence that generated it. A
+    forked sequence inherits its parent's ids for the positions it shares; a cache
+    hit finds the ids of the prompt that computed the block. Each step:
+
+    1. ownership: holders and reference counts from the block tables; a slot that
+       lost its last holder is released (its K/V stays: a freed cached block must
+       still hold its prefix), a prefix-cache hit takes its slots *as stored*;
+    2. every sequence writes the positions it produced itself;
+    3. copy-on-write, on the device: a sequence whose block at index ``i`` is not
+       the one it had (or, just forked, not its parent's) gets the old block's
+       stored positions copied into the new one once they are all written (a
+       sample's copy of the prompt's last block waits for the prompt); the copies
+       so derived must be the allocator's own copy log, pair for pair;
+    4. every position of every sequence must hold the K/V of its content id, and
+       decode attention reads them through the block tables.
+
+    A wrong reference count, a copy that did not happen, a write into a shared
+    block or a stale cache hit therefore shows up as a wrong K/V or a split that
+    differs from the simulation.
+    """
+
+    copies_done: int = 0
+    copies_logged: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.ref = torch.zeros(self.pool.num_slots, dtype=torch.int64, device=self.pool.device)
+        self._seqs: dict[int, _Shared] = {}
+        # copies waiting for their source: (sequence, its epoch, src slot, dst slot, positions)
+        self._pending: list[tuple[int, int, int, int, int]] = []
+        self._content_ids: dict[int, int] = {}
+
+    def after_step(self, engine: Any) -> None:
+        self._step += 1
+        live = {s.seq_id: s for s in engine.live_sequences()}
+        forks = list(engine.fork_log or ())
+        if engine.fork_log is not None:
+            engine.fork_log.clear()
+        logged = self.allocator.take_copies()
+        derived = self._sync(engine, live, forks)
+        if sorted(derived) != sorted(p for p in logged if self._holds_dst(p[1])):
+            raise ValidationError(f"step {self._step}: copies from the block tables {sorted(derived)} "
+                                  f"but the allocator logged {sorted(logged)}")
+        self.copies_logged += len(logged)
+        self._write(live)
+        self._run_copies()
+        if self.corrupt is not None:
+            self.corrupt(self, engine)
+        self._check_shared_contents(live)
+        if self._step % self.attention_every == 0:
+            self._check_shared_attention(live)
+        self._compare_split(engine, len(live))
+
+    # ------------------------------------------------------------ content ids
+
+    def _content_of(self, engine: Any, req: int, seq: int, start: int, end: int) -> torch.Tensor:
+        """Content ids of positions ``[start, end)`` that ``seq`` of ``req`` produces itself."""
+        prompt = int(engine.prompt[req])
+        ids = torch.full((max(0, end - start),), seq, dtype=torch.int64)
+        if start < prompt:
+            ids[: min(end, prompt) - start] = req
+            if engine.prefix is not None:
+                B = self.allocator.block_size
+                keys = engine.prefix.keys(req, prompt)
+                for q in range(start, min(end, len(keys) * B)):
+                    key = keys[q // B]
+                    ids[q - start] = self._content_ids.setdefault(key, 1_000_000 + len(self._content_ids))
+        return ids.to(self.pool.device)
+
+    def _holds_dst(self, block: int) -> bool:
+        B = self.allocator.block_size
+        return bool(self.ref[block * B].item() > 0)
+
+    # ------------------------------------------------------------ ownership
+
+    def _sync(self, engine: Any, live: dict[int, Any], forks: list[tuple[int, int, int]]
+              ) -> list[tuple[int, int]]:
+        B, device = self.allocator.block_size, self.pool.device
+        old = self._seqs
+        fork_of = {child: (parent, shared) for parent, child, shared in forks}
+        new: dict[int, _Shared] = {}
+        copies: list[tuple[int, int]] = []
+        # Slots whose stored K/V survives the step: a sequence kept them, or a cache hit found them.
+        keep = torch.zeros(self.pool.num_slots, dtype=torch.bool, device=device)
+        hits: list[torch.Tensor] = []
+
+        def cow(seq: int, epoch: int, before: torch.Tensor, after: torch.Tensor, history: int) -> None:
+            """Blocks of ``before`` replaced in ``after`` are copies of their stored part."""
+            for i in range(min(len(before), len(after)) // B):
+                src, dst = int(before[i * B].item()) // B, int(after[i * B].item()) // B
+                if src != dst:
+                    copies.append((src, dst))
+                    positions = min(B, history - i * B)
+                    if positions > 0:
+                        self._pending.append((seq, epoch, src * B, dst * B, positions))
+
+        # Sequences placed earlier first: a fork's parent is known before its children.
+        for seq in sorted(live, key=lambda s: (s in fork_of, s)):
+            info = live[seq]
+            slots = self._slots_of(seq)
+            epoch = int(engine.preemptions[info.req])
+            was = old.get(seq)
+            if was is not None and was.epoch == epoch:
+                cow(seq, epoch, was.slots, slots, was.stored)
+                same = min(len(was.slots), len(slots))
+                kept = was.slots[:same] == slots[:same]
+                keep[slots[:same][kept]] = True
+                content = torch.cat([was.content[: len(slots)],
+                                     self._content_of(engine, info.req, seq, len(was.content), len(slots))])
+                new[seq] = _Shared(info.req, epoch, slots, content, was.stored)
+            elif seq in fork_of:
+                parent, shared = fork_of[seq]
+                continuing = parent in old and old[parent].epoch == epoch
+                source = old[parent] if continuing else new[parent]
+                inherited = source.slots[: -(-shared // B) * B]
+                cow(seq, epoch, inherited, slots, shared)
+                if continuing:  # (a parent placed this step has stored nothing yet)
+                    same = min(len(inherited), len(slots))
+                    keep[slots[:same][inherited[:same] == slots[:same]]] = True
+                content = torch.cat([source.content[:shared],
+                                     self._content_of(engine, info.req, seq, shared, len(slots))])
+                new[seq] = _Shared(info.req, epoch, slots, content, shared)
+            else:  # admitted (again): the prefix cache's positions are there already
+                content = self._content_of(engine, info.req, seq, 0, len(slots))
+                new[seq] = _Shared(info.req, epoch, slots, content, info.cached)
+                hits.append(slots[: info.cached])
+        self._seqs = new
+        pool = self.pool
+        if new:
+            every = torch.cat([s.slots for s in new.values()])
+            positions = torch.cat([torch.arange(len(s.slots), device=device) for s in new.values()])
+            finals = torch.cat([torch.full((len(s.slots),), live[q].final, dtype=torch.int64, device=device)
+                                for q, s in new.items()])
+            owners = torch.cat([torch.full((len(s.slots),), s.req, dtype=torch.int64, device=device)
+                                for s in new.values()])
+        else:
+            every = positions = finals = owners = torch.zeros(0, dtype=torch.int64, device=device)
+        ref = torch.bincount(every, minlength=pool.num_slots)
+        released = (self.ref > 0) & (ref == 0)
+        pool.owner[released] = -1
+        pool.position[released] = -1
+        pool.final[released] = 0
+        for hit in hits:
+            keep[hit] = True
+        # New to every holder (taken, copied into, or its holder readmitted): nothing stored yet.
+        pool.written[released | ((ref > 0) & ~keep)] = False
+        low = torch.full_like(ref, 1 << 40).scatter_reduce(0, every, positions, "amin")
+        high = torch.full_like(ref, -1).scatter_reduce(0, every, positions, "amax")
+        clash = (ref > 0) & (low != high)
+        if bool(clash.any()):
+            slot = int(torch.nonzero(clash)[0].item())
+            raise ValidationError(f"step {self._step}: slot {slot} is held at positions "
+                                  f"{int(low[slot])} and {int(high[slot])}")
+        pool.owner[every] = owners
+        pool.position[every] = positions
+        pool.final.zero_()
+        pool.final.scatter_reduce_(0, every, finals, "amax")
+        self.ref = ref
+        for hit in hits:
+            pool.written[hit] = True  # a cache hit: stored by whoever computed it
+        return copies
+
+    def _write(self, live: dict[int, Any]) -> None:
+        pool = self.pool
+        for seq, s in self._seqs.items():
+            filled = live[seq].filled
+            if filled < s.stored:
+                if live[seq].decoding:
+                    raise ValidationError(f"step {self._step}: sequence {seq} shrank from {s.stored} "
+                                          f"to {filled} stored tokens")
+                continue  # a prefilling group's sample: its prompt is its parent's to store
+            if filled > s.stored:
+                positions = torch.arange(s.stored, filled, device=pool.device)
+                slots = s.slots[s.stored: filled]
+                ids = s.content[s.stored: filled]
+                for layer in range(pool.num_layers):
+                    pool.k[layer, slots] = kv_values(ids, positions, layer, pool.num_kv_heads,
+                                                     pool.head_dim, pool.dtype, 0)
+                    pool.v[layer, slots] = kv_values(ids, positions, layer, pool.num_kv_heads,
+                                                     pool.head_dim, pool.dtype, 1)
+                pool.written[slots] = True
+                s.stored = filled
+
+    def _run_copies(self) -> None:
+        """Copy-on-write on the device, once the source's positions are all stored."""
+        pool, waiting = self.pool, []
+        for seq, epoch, src, dst, positions in self._pending:
+            s = self._seqs.get(seq)
+            if s is None or s.epoch != epoch or not bool((s.slots == dst).any()):
+                continue  # its sequence is gone (preempted, maybe in the step that copied)
+            if not bool(pool.written[src: src + positions].all()):
+                waiting.append((seq, epoch, src, dst, positions))
+                continue
+            pool.k[:, dst: dst + positions] = pool.k[:, src: src + positions]
+            pool.v[:, dst: dst + positions] = pool.v[:, src: src + positions]
+            pool.written[dst: dst + positions] = True
+            self.copies_done += 1
+        self._pending = waiting
+
+    # ------------------------------------------------------------ checks
+
+    def _check_shared_contents(self, live: dict[int, Any]) -> None:
+        pool = self.pool
+        for seq, s in self._seqs.items():
+            n = live[seq].filled
+            if n == 0:
+                continue
+            positions = torch.arange(n, device=pool.device)
+            slots = s.slots[:n]
+            for layer in self.attention_layers:
+                want_k = kv_values(s.content[:n], positions, layer, pool.num_kv_heads, pool.head_dim,
+                                   pool.dtype, 0)
+                want_v = kv_values(s.content[:n], positions, layer, pool.num_kv_heads, pool.head_dim,
+                                   pool.dtype, 1)
+                bad = ((pool.k[layer, slots] != want_k) | (pool.v[layer, slots] != want_v)
+                       | ~pool.written[slots][:, None, None]).flatten(1).any(1)
+                self.content_checks += 1
+                if bool(bad.any()):
+                    at = int(torch.nonzero(bad)[0].item())
+                    raise ValidationError(
+                        f"step {self._step}: sequence {seq} (request {s.req}) position {at} "
+                        f"(slot {int(slots[at])}, layer {layer}, {int(self.ref[slots[at]])} holders) "
+                        "holds the wrong K/V")
+
+    def _check_shared_attention(self, live: dict[int, Any]) -> None:
+        from gpu_backend import kernels
+        from gpu_backend.reference import attend_one
+
+        seqs = [q for q, s in live.items() if s.decoding and s.filled > 0]
+        if not seqs:
+            return
+        pool, device, B = self.pool, self.pool.device, self.allocator.block_size
+        lens = torch.tensor([live[q].filled for q in seqs], dtype=torch.int32, device=device)
+        q = query_values(torch.tensor(seqs, device=device), self._step, self.num_q_heads,
+                         pool.head_dim, pool.dtype)
+        tables = [self.allocator.placement(s).block_ids for s in seqs]
+        table = torch.zeros((len(seqs), max(len(t) for t in tables)), dtype=torch.int32, device=device)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        scale = pool.head_dim ** -0.5
+        tol = 2e-2 if pool.dtype == torch.float16 else 1e-4
+        for layer in self.attention_layers:
+            out = kernels.paged_decode_attention(q, pool.k[layer], pool.v[layer], table, lens, B, scale=scale)
+            for i, seq in enumerate(seqs):
+                n = live[seq].filled
+                positions = torch.arange(n, device=device)
+                ids = self._seqs[seq].content[:n]
+                k = kv_values(ids, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 0)
+                v = kv_values(ids, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 1)
+                err = float((out[i].float() - attend_one(q[i], k, v, scale).float()).abs().max().item())
+                self.max_abs_error = max(self.max_abs_error, err)
+                self.attention_checks += 1
+                if not err <= tol:
+                    self.attention_failures += 1
+                    raise ValidationError(
+                        f"step {self._step}: attention of sequence {seq} over {n} tokens (layer {layer}) "
+                        f"differs from the reference by {err:.3g} (tolerance {tol})")

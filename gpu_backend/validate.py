@@ -66,15 +66,17 @@ class ValidationReport:
 
 def scaled_trace(trace: Any, scale: float) -> Any:
     """Lengths × ``scale`` (at least 1 token each) and inter-arrival times × ``scale``, so the
-    pool (also × ``scale``) is under about the same pressure as the full-size replay."""
+    pool (also × ``scale``) is under about the same pressure as the full-size replay. Content
+    hashes (prefix caching) are kept, each covering ``block_hash_size × scale`` tokens."""
     if scale == 1.0:
         return trace
     from fragsim.traces import Trace
 
     prompt = np.maximum(1, np.ceil(trace.prompt_len * scale)).astype(np.int64)
     output = np.maximum(1, np.ceil(trace.output_len * scale)).astype(np.int64)
+    hash_size = None if trace.block_hashes is None else max(1, round(trace.block_hash_size * scale))
     return Trace(f"{trace.name}x{scale:g}", trace.source, trace.arrival_s * scale, prompt, output,
-                 has_timestamps=True)
+                 block_hashes=trace.block_hashes, block_hash_size=hash_size, has_timestamps=True)
 
 
 def run_validation(spec: RunSpec, allocator: str, *, device: str = "cpu", shape: ModelShape | None = None,
@@ -82,7 +84,7 @@ def run_validation(spec: RunSpec, allocator: str, *, device: str = "cpu", shape:
                    offset: int = 0) -> ValidationReport:
     import torch
 
-    from gpu_backend.backend import DeviceBackend, ValidationError
+    from gpu_backend.backend import DeviceBackend, SharedDeviceBackend, ValidationError
     from gpu_backend.pool import KVPool
 
     shape = shape or ModelShape()
@@ -101,7 +103,9 @@ def run_validation(spec: RunSpec, allocator: str, *, device: str = "cpu", shape:
     pool = KVPool(shape.num_layers, engine.alloc.capacity, shape.num_kv_heads, shape.head_dim,
                   dtype=getattr(torch, shape.dtype), device=device)
     layers = tuple(sorted({0, shape.num_layers - 1}))
-    backend = DeviceBackend(pool, engine.alloc, shape.num_q_heads, attention_every=attention_every,
+    # A sharing run (samples, beams, prefix caching) has several holders per block.
+    backend_class = SharedDeviceBackend if hasattr(engine, "fork_log") else DeviceBackend
+    backend = backend_class(pool, engine.alloc, shape.num_q_heads, attention_every=attention_every,
                             attention_layers=layers, corrupt=corrupt)
     engine.attach(backend)
     t0 = time.perf_counter()

@@ -63,6 +63,7 @@ def test_presets_pair_a_placement_with_a_policy() -> None:
         "orca-pow2": ("buddy", "pow2", False),
         "orca-oracle": ("buddy", "oracle", False),
         "vllm": ("paged", "demand", True),
+        "vattention": ("vmm", "demand", True),
     }
     assert set(PRESETS) == set(expected)
     for name, (placement, reserve, grows) in expected.items():

@@ -10,6 +10,7 @@ systems the papers compare)::
     orca-pow2     buddy       pow2      ... reserving the output rounded up to a power of two
     orca-oracle   buddy       oracle    ... knowing the true output length
     vllm          paged       demand    PagedAttention, 16-slot blocks, one token at a time
+    vattention    vmm         demand    vAttention: virtually contiguous, 2 MiB pages mapped on demand
 
 Options (each placement takes those its constructor names):
 
@@ -18,7 +19,13 @@ Options (each placement takes those its constructor names):
     max_num_seqs  static        rows in the array, default capacity // max_seq_len
     fit           contiguous    "first" or "best"
     min_block     buddy         smallest block, a power of two, default 1
-    block_size    paged         slots per block, default 16
+    block_size    paged         slots per block, default 16 (paged-shared too)
+    page_bytes    vmm           bytes of one physical page, default 64 KiB (vattention: 2 MiB)
+    token_bytes   vmm           bytes of one token in one K or V buffer of one layer, default 4 KiB
+
+``paged-shared`` is ``paged`` with reference-counted blocks, fork, copy-on-write
+and a prefix cache; the engine uses it in place of ``paged`` when a run shares
+blocks (parallel sampling, beam search, prefix caching).
 
 More placements are registered by adding a class to ``PLACEMENTS``: its
 constructor takes ``(capacity, *, name, **options)`` with keyword-only options,
@@ -35,7 +42,9 @@ from fragsim.allocators.buddy import BuddyAllocator
 from fragsim.allocators.contiguous import ContiguousAllocator
 from fragsim.allocators.paged import PagedAllocator
 from fragsim.allocators.reservation import RESERVE_POLICIES, reserve_slots
+from fragsim.allocators.shared import SharedPagedAllocator
 from fragsim.allocators.static import StaticAllocator
+from fragsim.allocators.vmm import VMMAllocator
 from fragsim.errors import FragsimError
 
 __all__ = [
@@ -50,7 +59,9 @@ __all__ = [
     "Extent",
     "PagedAllocator",
     "Placement",
+    "SharedPagedAllocator",
     "StaticAllocator",
+    "VMMAllocator",
     "create",
     "options_of",
     "reserve_slots",
@@ -62,6 +73,8 @@ PLACEMENTS: dict[str, type[Any]] = {
     "contiguous": ContiguousAllocator,
     "buddy": BuddyAllocator,
     "paged": PagedAllocator,
+    "paged-shared": SharedPagedAllocator,
+    "vmm": VMMAllocator,
 }
 
 #: preset name -> (placement, options it fixes); options given to create() override
@@ -72,6 +85,7 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "orca-pow2": ("buddy", {"reserve": "pow2"}),
     "orca-oracle": ("buddy", {"reserve": "oracle"}),
     "vllm": ("paged", {"block_size": 16, "reserve": "demand"}),
+    "vattention": ("vmm", {"page_bytes": 2 * 1024 * 1024, "reserve": "demand"}),
 }
 
 

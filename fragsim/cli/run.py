@@ -18,11 +18,17 @@ With no options: the bundled Azure conversation trace (19,366 requests over
 orca-max, orca-pow2, orca-oracle and vllm."""
 
 EPILOG = """\
-allocators: a placement (static, contiguous, buddy, paged) or a preset:
-  ft-static (static+max), orca-max / orca-pow2 / orca-oracle (buddy + that
-  reservation), vllm (paged, 16-token blocks).
+allocators: a placement (static, contiguous, buddy, paged, paged-shared, vmm) or
+  a preset: ft-static (static+max), orca-max / orca-pow2 / orca-oracle (buddy +
+  that reservation), vllm (paged, 16-token blocks), vattention (vmm, 2 MiB pages).
+sharing (paged allocators only): --parallel-samples N and --beam-width W decode
+  N (W) sequences per prompt over shared prompt blocks; --prefix-caching reuses
+  cached prompt blocks across requests (Mooncake traces carry content hashes;
+  --system-prompt-len S gives every request the same first S tokens).
 examples:
   fragsim run --allocator vllm,orca-oracle --num-requests 2000 --plot
+  fragsim run --allocator vllm,vattention,vmm --page-kb 64
+  fragsim run --allocator vllm --trace alpaca-paper --rate 20 --num-requests 2000 --beam-width 4
   fragsim run --trace sharegpt-paper --rate 2 --num-requests 1000
   fragsim run --trace path/to/trace.csv --model llama-2-7b --gpu a100-80gb --json
 """
@@ -89,6 +95,8 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--reserve", choices=("max", "pow2", "oracle"),
                    help="reservation policy for plain static/contiguous/buddy placements")
     g.add_argument("--block-size", type=_positive_int, default=16, help="paged block size (default 16)")
+    g.add_argument("--page-kb", type=int, choices=(64, 128, 256, 2048), default=2048,
+                   help="vmm physical page in KiB (default 2048; vattention is 2048 unless given)")
     g.add_argument("--fit", choices=("first", "best"), default="first", help="contiguous placement fit")
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-seq-len", type=_positive_int, default=2048,
@@ -105,6 +113,15 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
                    help="refuse requests that waited longer than S seconds (a 503)")
     g.add_argument("--truncate-prompts", action="store_true",
                    help="cut prompts that exceed max-seq-len instead of refusing them")
+    g = p.add_argument_group("block sharing (paged allocators)")
+    g.add_argument("--parallel-samples", type=_positive_int, default=1, metavar="N",
+                   help="decode N samples per prompt, sharing the prompt's blocks (default 1)")
+    g.add_argument("--beam-width", type=_positive_int, default=1, metavar="W",
+                   help="beam search of width W: beams fork and are pruned every step (default 1)")
+    g.add_argument("--prefix-caching", action="store_true",
+                   help="reuse cached prompt blocks across requests (vLLM automatic prefix caching)")
+    g.add_argument("--system-prompt-len", type=int, default=0, metavar="S",
+                   help="prepend one shared S-token system prompt to every request (default 0)")
     g = p.add_argument_group("cost model")
     g.add_argument("--cost-model", choices=("roofline", "fixed"), default="roofline")
     g.add_argument("--step-time", type=_positive_float, default=0.02,
@@ -127,6 +144,11 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         time_window_s=args.time_window, seed=args.seed,
         exact_steps=getattr(args, "exact_steps", False),
         address_map=getattr(args, "plot", False),
+        page_kb=getattr(args, "page_kb", 2048),
+        num_samples=getattr(args, "parallel_samples", 1),
+        beam_width=getattr(args, "beam_width", 1),
+        prefix_caching=getattr(args, "prefix_caching", False),
+        system_prompt_len=getattr(args, "system_prompt_len", 0),
     )
 
 
@@ -177,8 +199,11 @@ def main(args: argparse.Namespace) -> int:
                   disable=not err.is_terminal) as progress:
         for name in allocators:
             task = progress.add_task(name, total=len(trace))
-            result = simulate(trace, name, spec,
-                              progress=lambda done, t=task: progress.update(t, completed=done))
+
+            def advance(done: int, t: Any = task) -> None:
+                progress.update(t, completed=done)
+
+            result = simulate(trace, name, spec, progress=advance)
             progress.update(task, completed=len(trace))
             results.append(result)
             if args.json:
@@ -204,6 +229,15 @@ def main(args: argparse.Namespace) -> int:
                      f"{spec.max_seq_len} were refused (--truncate-prompts cuts them instead)")
     notes.append("memory split: time-weighted mean over the run, % of the KV pool; "
                  "ext. frag = 1 − largest allocatable / free")
+    for s in (r.summary for r in results):
+        if spec.sharing:
+            notes.append(f"{s['allocator']}: sharing saves {s['blocks_saved_frac']:.1%} of the blocks; "
+                         f"prefix cache hit {s['prefix_cache_hit_rate']:.1%} "
+                         f"({s['prefix_cache_hits']:,} of {s['prefix_cache_queries']:,} tokens); "
+                         f"{s['num_prefill_tokens']:,} prompt tokens computed")
+        if s["vmm_tokens_per_page"]:
+            notes.append(f"{s['allocator']}: {s['vmm_tokens_per_page']} tokens a page; page tails hold "
+                         f"nothing: {s['page_tail_bytes'] / 2**20:,.1f} MiB of the pool")
     for note in notes:
         out.print(f"[dim]{note}[/dim]")
     if folder is not None:

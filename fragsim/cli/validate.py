@@ -43,6 +43,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--kv-heads", type=_positive_int, default=None, help="KV heads (default 40 cuda / 2 cpu)")
     p.add_argument("--head-dim", type=_positive_int, default=None, help="head dim (default 128 cuda / 16 cpu)")
     p.add_argument("--dtype", choices=("float16", "float32"), default="float16")
+    g = p.add_argument_group("block sharing (paged allocators: --allocator vllm)")
+    g.add_argument("--parallel-samples", type=_positive_int, default=1, metavar="N",
+                   help="N samples per prompt over shared prompt blocks (copy-on-write on the device)")
+    g.add_argument("--beam-width", type=_positive_int, default=1, metavar="W", help="beam search of width W")
+    g.add_argument("--prefix-caching", action="store_true", help="reuse cached prompt blocks across requests")
+    g.add_argument("--system-prompt-len", type=int, default=0, metavar="S",
+                   help="one shared S-token system prompt before every request (before --scale)")
     p.add_argument("--attention-every", type=_positive_int, default=None,
                    help="run the attention check every N steps (default 1 cuda / 5 cpu)")
     p.add_argument("--out", default="results", help="results folder (default: %(default)s)")
@@ -81,7 +88,9 @@ def main(args: argparse.Namespace) -> int:
         raise FragsimError(f"--scale must be in (0, 1], got {scale}")
     spec = RunSpec(trace=args.trace, rate=args.rate, model=args.model, gpu=args.gpu,
                    kv_slots=args.kv_slots, max_seq_len=args.max_seq_len,
-                   num_requests=num_requests + args.offset)
+                   num_requests=num_requests + args.offset, num_samples=args.parallel_samples,
+                   beam_width=args.beam_width, prefix_caching=args.prefix_caching,
+                   system_prompt_len=args.system_prompt_len)
     reports = []
     for name in allocators:
         report = run_validation(spec, name, device=device, shape=shape, scale=scale,
