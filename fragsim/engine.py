@@ -184,6 +184,11 @@ class Engine:
                  observer: StepObserver | None = None) -> None:
         if observer is not None and not config.exact_steps:
             raise ValueError("an observer sees every step, so it needs exact_steps=True")
+        if config.batching == "static" and allocator.grows_on_demand:
+            raise ValueError(
+                f"request-level (static) batching reserves each request's memory when its batch "
+                f"forms; {allocator.name!r} grows on demand: use a reserving allocator (ft-static, "
+                f"orca-*, static, contiguous, buddy) or --batching continuous")
         self.observer = observer
         self.cfg = config
         self.alloc = allocator
@@ -280,6 +285,7 @@ class Engine:
 
     def _finish(self, req: int) -> None:
         self.status[req] = FINISHED
+        self.generated[req] = self.output[req]
         self.finish[req] = self.now
         self.num_done += 1
         if self.progress is not None and self.num_done % 256 == 0:
@@ -355,6 +361,8 @@ class Engine:
             raise RuntimeError("growth failed with nothing running to preempt")
         filled = int(b.offset[cand_row]) + self.g
         owned = int(b.owned[cand_row])
+        # Recompute re-prefills the prompt and every token generated so far.
+        self.generated[cand] = filled - int(self.prompt[cand])
         self.alloc.free(int(b.seq[cand_row]))
         b.remove(cand_row)
         self._take(cand, owned, -1)

@@ -291,6 +291,9 @@ class SharingEngine(Engine):
             owned += int(b.owned[row])
         b.remove_rows(rows)
         self._refresh_shared()
+        if len(rows) == 1 and self.width == 1:
+            # Recompute re-prefills the prompt and every token generated so far.
+            self.generated[cand] = filled - int(self.prompt[cand])
         # filled 0: a group is recomputed, never swapped
         self._requeue(cand, filled if len(rows) == 1 and self.width == 1 else 0, owned)
         return cand

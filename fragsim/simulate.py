@@ -214,11 +214,15 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
         )
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
+    engine_class: type[Engine] = Engine
     if config.sharing:
         from fragsim.sharing import SharingEngine
 
-        return SharingEngine(trace, allocator, cost, config, progress=progress)
-    return Engine(trace, allocator, cost, config, progress=progress)
+        engine_class = SharingEngine
+    try:
+        return engine_class(trace, allocator, cost, config, progress=progress)
+    except ValueError as exc:
+        raise FragsimError(str(exc)) from None
 
 
 def _pct(values: np.ndarray, q: float) -> float:

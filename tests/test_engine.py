@@ -178,3 +178,27 @@ def test_runs_are_deterministic() -> None:
     a.pop("wall_time_s")
     b.pop("wall_time_s")
     assert a == b
+
+
+def test_recompute_reprefills_prompt_and_generated_tokens() -> None:
+    """Pool of 4 blocks of 16. A: prompt 15, output 40; B: prompt 15, output 30; both at t=0.
+
+    step 0      both prefill (1 block each); at its end each holds 16 tokens
+    step 1      both take a second block (pool full); each holds 17 at its end
+    step 16     A needs a third block: B (latest arrival) is preempted holding 32 tokens,
+                i.e. prompt 15 + 17 generated; A takes a freed block
+    step 39     A reaches 55 and finishes (t = 4.0)
+    step 40     B re-prefills 15 + 17 = 32 tokens (3 blocks), holds 33 at its end
+    step 52     B reaches 45 and finishes (t = 5.3)
+    """
+    trace = make_trace([0.0, 0.0], [15, 15], [40, 30])
+    engine = run_engine(trace, "paged", capacity=64, max_seq_len=64)
+    assert engine.rec.counters.num_preemptions_recompute == 1
+    assert engine.num_prefill_tokens == 15 + 15 + 32
+    np.testing.assert_allclose(engine.finish, [4.0, 5.3])
+
+
+def test_static_batching_needs_a_reserving_allocator() -> None:
+    trace = make_trace([0.0], [4], [4])
+    with pytest.raises(ValueError, match="grows on demand"):
+        run_engine(trace, "paged", capacity=64, batching="static")
