@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fragsim.cli.args import positive_float, positive_int
+
 DESCRIPTION = """\
 Replay a request trace against one or more KV-cache allocators and print the
 vLLM-paper Figure-2 split of KV memory (token states / reservation / internal
@@ -34,26 +36,6 @@ examples:
 """
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
 def _window(text: str) -> tuple[float, float]:
     try:
         start, end = (float(x) for x in text.split(":"))
@@ -69,13 +51,13 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--trace", default="azure-conv",
                    help="bundled trace (azure-conv, azure-code), workload (sharegpt-paper, "
                         "alpaca-paper) or a trace file path (default: %(default)s)")
-    g.add_argument("--num-requests", type=_positive_int, help="keep the first N requests")
+    g.add_argument("--num-requests", type=positive_int, help="keep the first N requests")
     g.add_argument("--time-window", type=_window, metavar="START:END",
                    help="keep requests arriving in [START, END) seconds")
-    g.add_argument("--rate", type=_positive_float, help="re-time arrivals at this many requests/s")
+    g.add_argument("--rate", type=positive_float, help="re-time arrivals at this many requests/s")
     g.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson",
                    help="arrival process with --rate (default: %(default)s)")
-    g.add_argument("--cv", type=_positive_float, default=1.0,
+    g.add_argument("--cv", type=positive_float, default=1.0,
                    help="coefficient of variation of gamma inter-arrivals (burstiness; default 1)")
     g.add_argument("--seed", type=int, default=0, help="seed for arrivals and workloads (default 0)")
 
@@ -84,39 +66,39 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model, GPU and memory")
     g.add_argument("--model", default="opt-13b", help="model preset (default: %(default)s)")
     g.add_argument("--gpu", default="a100-40gb", help="GPU preset (default: %(default)s)")
-    g.add_argument("--tp", type=_positive_int, default=1, help="tensor-parallel degree (default 1)")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
     g.add_argument("--catalog", help="TOML file with custom models/GPUs")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory the engine may use (default 0.9)")
-    g.add_argument("--kv-slots", type=_positive_int, help="KV pool size in tokens (overrides the budget)")
+    g.add_argument("--kv-slots", type=positive_int, help="KV pool size in tokens (overrides the budget)")
     g = p.add_argument_group("allocator")
     g.add_argument("--allocator", default="ft-static,orca-max,orca-pow2,orca-oracle,vllm",
                    help="comma list of allocators/presets (default: %(default)s)")
     g.add_argument("--reserve", choices=("max", "pow2", "oracle"),
                    help="reservation policy for plain static/contiguous/buddy placements")
-    g.add_argument("--block-size", type=_positive_int, default=16, help="paged block size (default 16)")
+    g.add_argument("--block-size", type=positive_int, default=16, help="paged block size (default 16)")
     g.add_argument("--page-kb", type=int, choices=(64, 128, 256, 2048), default=2048,
                    help="vmm physical page in KiB (default 2048; vattention is 2048 unless given)")
     g.add_argument("--fit", choices=("first", "best"), default="first", help="contiguous placement fit")
     g = p.add_argument_group("scheduler")
-    g.add_argument("--max-seq-len", type=_positive_int, default=2048,
+    g.add_argument("--max-seq-len", type=positive_int, default=2048,
                    help="longest prompt+output a request may have (default 2048)")
-    g.add_argument("--max-num-seqs", type=_positive_int, default=256,
+    g.add_argument("--max-num-seqs", type=positive_int, default=256,
                    help="most sequences running at once (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=_positive_int,
+    g.add_argument("--max-num-batched-tokens", type=positive_int,
                    help="token budget per step (default max(max-seq-len, 2048); smaller: chunked prefill)")
     g.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="iteration-level (Orca/vLLM) or request-level (HF/FasterTransformer) batching")
     g.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     g.add_argument("--swap-space-gb", type=float, default=4.0, help="CPU swap pool in GiB (default 4)")
-    g.add_argument("--queue-timeout", type=_positive_float, metavar="S",
+    g.add_argument("--queue-timeout", type=positive_float, metavar="S",
                    help="refuse requests that waited longer than S seconds (a 503)")
     g.add_argument("--truncate-prompts", action="store_true",
                    help="cut prompts that exceed max-seq-len instead of refusing them")
     g = p.add_argument_group("block sharing (paged allocators)")
-    g.add_argument("--parallel-samples", type=_positive_int, default=1, metavar="N",
+    g.add_argument("--parallel-samples", type=positive_int, default=1, metavar="N",
                    help="decode N samples per prompt, sharing the prompt's blocks (default 1)")
-    g.add_argument("--beam-width", type=_positive_int, default=1, metavar="W",
+    g.add_argument("--beam-width", type=positive_int, default=1, metavar="W",
                    help="beam search of width W: beams fork and are pruned every step (default 1)")
     g.add_argument("--prefix-caching", action="store_true",
                    help="reuse cached prompt blocks across requests (vLLM automatic prefix caching)")
@@ -124,7 +106,7 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
                    help="prepend one shared S-token system prompt to every request (default 0)")
     g = p.add_argument_group("cost model")
     g.add_argument("--cost-model", choices=("roofline", "fixed"), default="roofline")
-    g.add_argument("--step-time", type=_positive_float, default=0.02,
+    g.add_argument("--step-time", type=positive_float, default=0.02,
                    help="seconds per step with --cost-model fixed (default 0.02)")
 
 

@@ -7,6 +7,8 @@ import sys
 import time
 from typing import Any
 
+from fragsim.cli.args import positive_float, positive_int
+
 DESCRIPTION = """\
 Run every point of an experiment file (experiments/*.toml): the cartesian
 product of its [sweep] lists (per [[cases]] variant), each point against each
@@ -25,26 +27,6 @@ examples:
 """
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
-
-
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("sweep", help="run an experiment file's grid; table + figures",
                               description=DESCRIPTION, epilog=EPILOG,
@@ -54,12 +36,12 @@ def register(subparsers: Any) -> None:
                    help="local: a process pool on this machine; ray: Ray tasks (default: %(default)s)")
     p.add_argument("--address", help="with --executor ray: an existing cluster (e.g. auto, "
                                      "ray://HOST:10001); default: start a local instance")
-    p.add_argument("--workers", type=_positive_int,
+    p.add_argument("--workers", type=positive_int,
                    help="parallel runs (default: the CPUs available; 1 runs in this process)")
     p.add_argument("--out", default="results", help="results root; writes OUT/<study>/ (default: %(default)s)")
-    p.add_argument("--scale", type=_positive_float, default=1.0,
+    p.add_argument("--scale", type=positive_float, default=1.0,
                    help="fraction of each point's requests, for quick runs (default 1)")
-    p.add_argument("--min-requests", type=_positive_int,
+    p.add_argument("--min-requests", type=positive_int,
                    help="--scale keeps at least this many requests per point (default: the study's)")
     p.add_argument("--traces-dir", help="folder for ${SHARED_TRACES} in trace paths "
                                         "(default: $FRAGSIM_SHARED_TRACES)")

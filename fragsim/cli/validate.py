@@ -18,7 +18,7 @@ non-zero on any mismatch."""
 
 
 def register(subparsers: Any) -> None:
-    from fragsim.cli.run import _positive_float, _positive_int
+    from fragsim.cli.args import positive_float, positive_int
 
     p = subparsers.add_parser("validate", help="check the simulation against real device memory",
                               description=DESCRIPTION,
@@ -26,31 +26,31 @@ def register(subparsers: Any) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where the pool lives (default: cuda if available, else cpu)")
     p.add_argument("--trace", default="azure-conv", help="trace or workload (default: %(default)s)")
-    p.add_argument("--rate", type=_positive_float, help="re-time arrivals (needed for workloads)")
+    p.add_argument("--rate", type=positive_float, help="re-time arrivals (needed for workloads)")
     p.add_argument("--allocator", default="ft-static,orca-max,orca-pow2,orca-oracle,vllm,contiguous",
                    help="comma list (default: %(default)s)")
-    p.add_argument("--num-requests", type=_positive_int, default=None,
+    p.add_argument("--num-requests", type=positive_int, default=None,
                    help="requests to replay (default: 300 on cuda, 60 on cpu)")
     p.add_argument("--offset", type=int, default=0, help="skip this many requests first")
     p.add_argument("--model", default="llama-2-13b", help="model whose KV budget sizes the pool")
     p.add_argument("--gpu", default="a100-40gb", help="GPU whose memory sizes the pool")
-    p.add_argument("--kv-slots", type=_positive_int, help="pool size in slots (overrides the budget)")
-    p.add_argument("--max-seq-len", type=_positive_int, default=2048)
-    p.add_argument("--scale", type=_positive_float, default=None,
+    p.add_argument("--kv-slots", type=positive_int, help="pool size in slots (overrides the budget)")
+    p.add_argument("--max-seq-len", type=positive_int, default=2048)
+    p.add_argument("--scale", type=positive_float, default=None,
                    help="multiply lengths, max-seq-len and pool by this (default: 1 on cuda, 0.05 on cpu)")
-    p.add_argument("--layers", type=_positive_int, default=None, help="layers in the pool (default 2)")
-    p.add_argument("--q-heads", type=_positive_int, default=None, help="query heads (default 40 cuda / 4 cpu)")
-    p.add_argument("--kv-heads", type=_positive_int, default=None, help="KV heads (default 40 cuda / 2 cpu)")
-    p.add_argument("--head-dim", type=_positive_int, default=None, help="head dim (default 128 cuda / 16 cpu)")
+    p.add_argument("--layers", type=positive_int, default=None, help="layers in the pool (default 2)")
+    p.add_argument("--q-heads", type=positive_int, default=None, help="query heads (default 40 cuda / 4 cpu)")
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="KV heads (default 40 cuda / 2 cpu)")
+    p.add_argument("--head-dim", type=positive_int, default=None, help="head dim (default 128 cuda / 16 cpu)")
     p.add_argument("--dtype", choices=("float16", "float32"), default="float16")
     g = p.add_argument_group("block sharing (paged allocators: --allocator vllm)")
-    g.add_argument("--parallel-samples", type=_positive_int, default=1, metavar="N",
+    g.add_argument("--parallel-samples", type=positive_int, default=1, metavar="N",
                    help="N samples per prompt over shared prompt blocks (copy-on-write on the device)")
-    g.add_argument("--beam-width", type=_positive_int, default=1, metavar="W", help="beam search of width W")
+    g.add_argument("--beam-width", type=positive_int, default=1, metavar="W", help="beam search of width W")
     g.add_argument("--prefix-caching", action="store_true", help="reuse cached prompt blocks across requests")
     g.add_argument("--system-prompt-len", type=int, default=0, metavar="S",
                    help="one shared S-token system prompt before every request (before --scale)")
-    p.add_argument("--attention-every", type=_positive_int, default=None,
+    p.add_argument("--attention-every", type=positive_int, default=None,
                    help="run the attention check every N steps (default 1 cuda / 5 cpu)")
     p.add_argument("--out", default="results", help="results folder (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON object per allocator on stdout")
