@@ -209,6 +209,11 @@ def main(args: argparse.Namespace) -> int:
     if s0["num_refused_too_long"]:
         notes.append(f"{s0['num_refused_too_long']:,} requests longer than --max-seq-len "
                      f"{spec.max_seq_len} were refused (--truncate-prompts cuts them instead)")
+    worst = max(results, key=lambda r: r.summary["mean_waiting"]).summary
+    if worst["mean_waiting"] > 4 * max(worst["mean_running"], 1.0):
+        notes.append(f"the trace offers more load than this GPU serves: {worst['allocator']}'s queue held "
+                     f"{worst['mean_waiting']:,.0f} requests on average, so latencies grow over the run "
+                     "(--rate, --time-window, a larger --gpu or --tp eases it)")
     notes.append("memory split: time-weighted mean over the run, % of the KV pool; "
                  "ext. frag = 1 − largest allocatable / free")
     for s in (r.summary for r in results):
