@@ -106,7 +106,8 @@ def test_shared_traces_expand_from_option_or_env_but_ids_do_not_move(
 def test_every_shipped_experiment_loads_and_expands(shared_traces: Path) -> None:
     names = sorted(p.stem for p in EXPERIMENTS.glob("*.toml") if p.stem != "catalog_example")
     assert {"vllm_fig2", "vllm_fig13", "block_size", "rate_sweep", "real_traces", "seed_capacity_7b",
-            "seed_peak_traffic", "seed_underprovision", "seed_rag_longtail"} <= set(names)
+            "seed_peak_traffic", "seed_underprovision", "seed_rag_longtail", "sharing",
+            "prefix_mooncake", "vmm"} <= set(names)
     for name in names:
         study = load_study(EXPERIMENTS / f"{name}.toml")
         assert study.figures, name
