@@ -128,6 +128,13 @@ def _budget(model: ModelConfig, gpu: GPUConfig, tp: int, gpu_memory_utilization:
     return usable, weights, activation, usable - weights - activation
 
 
+def context_note(model: ModelConfig, max_seq_len: int) -> str:
+    """Longer than the model was trained for: the arithmetic holds, the model may not
+    (vLLM refuses such a max_model_len unless told to allow it)."""
+    return (f"max_seq_len {max_seq_len:,} exceeds {model.name}'s context of "
+            f"{model.max_position_embeddings:,} tokens (simulated as asked)")
+
+
 def kv_budget_slots(
     model: ModelConfig,
     gpu: GPUConfig,
@@ -187,8 +194,7 @@ def plan_capacity(
     """
     if max_seq_len is None:
         max_seq_len = model.max_position_embeddings
-    _check_int_option("max_seq_len", "--max-seq-len", max_seq_len, 1,
-                      model.max_position_embeddings)
+    _check_int_option("max_seq_len", "--max-seq-len", max_seq_len, 1)
     _check_int_option("block_size", "--block-size", block_size, 1)
     if batch is not None:
         _check_int_option("batch", "--batch", batch, 1)
@@ -211,6 +217,8 @@ def plan_capacity(
             f"weights and activations need {weights + activation:,} B of the {usable:,} B "
             "usable: no KV cache fits; raise --tp or --gpu-memory-utilization"
         )
+    if max_seq_len > model.max_position_embeddings:
+        notes.append(context_note(model, max_seq_len))
     if kv_heads * tp > model.num_kv_heads:
         notes.append(f"tp={tp} exceeds the {model.num_kv_heads} KV heads: each GPU keeps "
                      "one replicated KV head")

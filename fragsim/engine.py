@@ -75,7 +75,7 @@ class EngineConfig:
 
     max_seq_len: int = 2048
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(max_seq_len, 2048), no chunking needed
+    max_num_batched_tokens: int | None = None  # None: max(max_seq_len, 2048), at most 8192
     batching: str = "continuous"
     preemption: str = "recompute"
     swap_space_slots: int = 0
@@ -133,9 +133,12 @@ class EngineConfig:
 
     @property
     def num_batched_tokens(self) -> int:
+        """The step's token budget. By default a whole prompt fits one step up to 8,192
+        tokens (vLLM without chunking uses max(max_model_len, 2048)); longer prompts
+        are chunked rather than making one step of a 128K prompt."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
-        return max(self.max_seq_len, 2048)
+        return min(max(self.max_seq_len, 2048), 8192)
 
 
 class StepObserver(Protocol):

@@ -106,7 +106,7 @@ def test_options_change_the_budget_as_stated():
         ({"gpu_memory_utilization": 1.5}, r"must be in \(0, 1\], got 1.5"),
         ({"tp": 0}, r"tp \(--tp\) must be an integer >= 1, got 0"),
         ({"block_size": 0}, r"block_size \(--block-size\) must be an integer >= 1, got 0"),
-        ({"max_seq_len": 4097}, r"max_seq_len \(--max-seq-len\) must be an integer in \[1, 4096\], got 4097"),
+        ({"max_seq_len": 0}, r"max_seq_len \(--max-seq-len\) must be an integer >= 1, got 0"),
         ({"batch": 0}, r"batch \(--batch\) must be an integer >= 1, got 0"),
         ({"avg_len": 0}, r"avg_len \(--avg-len\) must be in \(0, 4096\], got 0"),
         ({"max_num_batched_tokens": 0}, r"max_num_batched_tokens \(--max-num-batched-tokens\) must be"),
@@ -171,3 +171,9 @@ def test_cli_errors_exit_2_with_one_line(capsys, argv, message):
     assert captured.out == ""
     assert captured.err.count("\n") == 1
     assert captured.err.startswith("fragsim: error: ") and message in captured.err
+
+
+def test_longer_than_the_model_context_is_noted_not_refused():
+    r = plan_capacity(MODELS["llama-2-7b"], A100_80, max_seq_len=16384, batch=1)
+    assert r.static_kv_bytes == 16384 * MODELS["llama-2-7b"].kv_bytes_per_token
+    assert any("exceeds llama-2-7b's context of 4,096" in n for n in r.notes)

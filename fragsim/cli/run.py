@@ -86,7 +86,7 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=positive_int, default=256,
                    help="most sequences running at once (default 256)")
     g.add_argument("--max-num-batched-tokens", type=positive_int,
-                   help="token budget per step (default max(max-seq-len, 2048); smaller: chunked prefill)")
+                   help="token budget per step (default max(max-seq-len, 2048), at most 8192; longer prompts are chunked)")
     g.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="iteration-level (Orca/vLLM) or request-level (HF/FasterTransformer) batching")
     g.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
@@ -175,6 +175,12 @@ def main(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     trace = load_workload(spec)
     err = Console(stderr=True)
+    from fragsim.capacity import context_note
+    from fragsim.catalog import get_model
+
+    model = get_model(spec.model, catalog=spec.catalog)
+    if spec.max_seq_len > model.max_position_embeddings:
+        print(f"fragsim: warning: {context_note(model, spec.max_seq_len)}", file=sys.stderr)
     results = []
     with Progress(TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True,
