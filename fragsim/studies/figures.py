@@ -69,11 +69,22 @@ LABELS: dict[str, str] = {
     "case": "",
     "num_requests": "requests",
     "batching": "batching",
+    "blocks_saved_frac": "blocks saved by sharing (%)",
+    "prefix_cache_hit_rate": "prefix cache hit rate (% of prompt tokens)",
+    "prefix_cache_hits": "prefix cache hits (tokens)",
+    "num_prefill_tokens": "prompt tokens computed",
+    "mean_shared_slots": "shared slots (mean)",
+    "page_kb": "page size (KiB)",
+    "num_samples": "parallel samples",
+    "beam_width": "beam width",
+    "page_tail_bytes": "bytes lost to page tails",
+    "prefix_caching": "prefix caching",
+    "num_preemptions": "preemptions",
 }
 
 #: fractions drawn as percentages
 PERCENT = {"token_states_frac", "reservation_frac", "internal_fragmentation_frac", "free_frac",
-           "refusal_rate"}
+           "refusal_rate", "blocks_saved_frac", "prefix_cache_hit_rate"}
 
 
 def draw(spec: FigureSpec, table: pd.DataFrame, timeseries: pd.DataFrame | None,
