@@ -98,27 +98,12 @@ class ModelDims:
 
     @classmethod
     def from_name(cls, name: str) -> ModelDims:
-        """From the project catalog (:func:`fragsim.catalog.get_model`), or a small
-        built-in table when the catalog is unavailable."""
-        try:
-            from fragsim.catalog import get_model
-        except ImportError:
-            pass
-        else:
-            m = get_model(name)
-            return cls(m.name, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim,
-                       m.hidden_size, m.intermediate_size, getattr(m, "vocab_size", 32000),
-                       getattr(m, "dtype_bytes", 2))
-        key = name.strip().lower()
-        if key not in _FALLBACK_MODELS:
-            raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(_FALLBACK_MODELS))}")
-        return _FALLBACK_MODELS[key]
+        """From the project catalog (:func:`fragsim.catalog.get_model`)."""
+        from fragsim.catalog import get_model
 
-
-_FALLBACK_MODELS = {
-    "llama-2-7b": ModelDims("llama-2-7b", 32, 32, 32, 128, 4096, 11008, 32000),
-    "llama-2-13b": ModelDims("llama-2-13b", 40, 40, 40, 128, 5120, 13824, 32000),
-}
+        m = get_model(name)
+        return cls(m.name, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim,
+                   m.hidden_size, m.intermediate_size, m.vocab_size, m.dtype_bytes)
 
 
 @dataclass(frozen=True)
