@@ -791,17 +791,23 @@ class Engine:
                 self.capacity - self.owned_total)
 
     def _sample_address_map(self) -> None:
-        """Which request owns each slot now, binned to ``address_map_bins`` rows (-1: free)."""
+        """Who holds each slot now, binned to ``address_map_bins`` rows: the sequence id where
+        its token is stored, -2 where a sequence owns the slot but has not (or never will)
+        filled it (reservation and internal fragmentation), -1 where it is free."""
         cap = self.capacity
         owner = np.full(cap, -1, dtype=np.int64)
+        filled = {getattr(s, "seq", s.req): s.filled for s in self.live_sequences()}
         for seq in self.alloc.seq_ids():
             place = self.alloc.placement(seq)
             if isinstance(place, Extent):
-                owner[place.offset: place.offset + place.length] = seq
+                slots = np.arange(place.offset, place.offset + place.length)
             else:
                 bs = place.block_size
-                for block in place.block_ids:
-                    owner[block * bs: (block + 1) * bs] = seq
+                blocks = np.asarray(place.block_ids, dtype=np.int64)
+                slots = (blocks[:, None] * bs + np.arange(bs)[None, :]).ravel()
+            n = filled.get(seq, 0)
+            owner[slots[n:]] = -2
+            owner[slots[:n]] = seq
         bins = min(cap, self.cfg.address_map_bins)
         self._map_times.append(self.now)
         self._map_rows.append(owner[(np.arange(bins) * cap) // bins])

@@ -204,8 +204,9 @@ def plot_split_over_time(results: Sequence[Any], path: Path) -> None:
 
 
 def plot_address_maps(results: Sequence[Any], path: Path) -> None:
-    """Time × slot, each owner its own colour, free slots white: external fragmentation shows
-    as white stripes between coloured bands that no waiting request fits into."""
+    """Time × slot, each request's stored tokens in its own colour, owned-but-unfilled
+    slots grey, free slots white: external fragmentation shows as white stripes that no
+    waiting request fits into, over-reservation as grey."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,19 +216,22 @@ def plot_address_maps(results: Sequence[Any], path: Path) -> None:
     n = len(results)
     fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1, 4.2), sharey=False, squeeze=False)
     rng = np.random.default_rng(0)
-    palette = ListedColormap(np.vstack([[1, 1, 1, 1], plt.cm.tab20(rng.permutation(20) % 20)]))
+    palette = ListedColormap(np.vstack([[1, 1, 1, 1], [0.62, 0.62, 0.62, 1],
+                                        plt.cm.tab20(rng.permutation(20) % 20)]))
     for ax, r in zip(axes[0], results, strict=True):
         amap = r.address_map
         owner = amap["owner"]
-        color = np.where(owner < 0, 0, 1 + owner % 20)
+        color = np.where(owner == -1, 0, np.where(owner == -2, 1, 2 + owner % 20))
         t = amap["time_s"]
-        ax.imshow(color.T, aspect="auto", origin="lower", cmap=palette, vmin=0, vmax=20,
+        ax.imshow(color.T, aspect="auto", origin="lower", cmap=palette, vmin=0, vmax=21,
                   interpolation="nearest",
                   extent=(float(t[0]), float(t[-1]) if len(t) > 1 else float(t[0]) + 1, 0,
                           r.summary["capacity_slots"]))
         ax.set_title(r.allocator, fontsize=9)
         ax.set_xlabel("time (s)")
     axes[0, 0].set_ylabel("slot (address)")
-    fig.suptitle("Address space over time (white = free)")
+    fig.suptitle("Address space over time: a colour per request where its tokens are stored, "
+                 "grey = owned but unfilled (reservation, internal fragmentation), white = free",
+                 fontsize=9)
     _savefig(fig, path)
     plt.close(fig)
