@@ -18,21 +18,9 @@ A step starts at time ``t`` and lasts the cost model's step time ``dt``.
   token); a request that reaches ``prompt_len + output_len`` completes and frees
   its memory at that instant.
 
-Request-level (``static``) batching instead forms a batch when none runs and
-runs it until its longest member finishes; members keep their memory and return
-together at the batch's end (HuggingFace ``generate`` style).
-
-Speed
------
-Most steps change nothing but lengths: every sequence grows by one token. The
-engine advances such a stretch in one go (``_jump``): step times, the
-time-weighted memory split and any paged block allocations of up to thousands of
-steps come out of a few numpy calls, and SimPy sees one timeout. It stops short
-of any step where something else could happen (an arrival that could be
-admitted, a completion, a queue timeout, a failed block allocation), and those
-steps run through the same code as ``exact_steps`` mode, which runs every step on
-its own. Both modes see bit-identical step times and make the same decisions, so
-their summaries agree (tests compare them).
+Most steps change nothing but lengths; :mod:`fragsim.stretch` advances such
+stretches in one go, and :mod:`fragsim.request_batching` holds request-level
+(``static``) batching.
 
 Block sharing (parallel samples, beam search, prefix caching) is
 :class:`fragsim.sharing.SharingEngine`, this engine with sharing-aware admission,
@@ -52,6 +40,7 @@ from typing import Protocol
 import numpy as np
 import simpy
 
+from fragsim import request_batching, stretch
 from fragsim.allocators import Allocator, Extent, reserve_slots
 from fragsim.batch import DecodeBatch
 from fragsim.costmodel import CostModel
@@ -543,198 +532,14 @@ class Engine:
     # ------------------------------------------------------------- stretches
 
     def _jump(self) -> float:
-        """Advance a stretch of uneventful decode steps at once. Returns its duration (0: none)."""
-        b, cfg = self.batch, self.cfg
-        n = b.n
-        if n == 0 or not self._quiet or cfg.exact_steps:
-            return 0.0
-        g = self.g
-        filled0 = b.offset[:n] + g
-        k = min(int((b.final[:n] - filled0).min()) - 1, cfg.max_jump_steps)
-        if k <= 0:
-            return 0.0
-        ctx = int(filled0.sum()) + n * np.arange(k, dtype=np.int64)
-        dts = self.cost.decode_step_times(n, ctx)
-        starts = np.cumsum(np.concatenate(([self.now], dts)))
-        if not self.waiting and not self.swapped:
-            nxt = int(self.next_servable[self._next])
-            if nxt < self.N:
-                hit = np.flatnonzero(self.arrival[nxt] <= starts[:k])
-                if len(hit):
-                    k = int(hit[0])
-        if cfg.queue_timeout_s is not None:
-            first = next((r for r in self.waiting if self.preemptions[r] == 0), None)
-            if first is not None:
-                hit = np.flatnonzero(starts[:k] - self.arrival[first] > cfg.queue_timeout_s)
-                if len(hit):
-                    k = int(hit[0])
-        if k <= 0:
-            return 0.0
-        # Shared slots stay put during a stretch (nothing forks, frees or is admitted), and
-        # every shared block is full: Σ owned and Σ filled both count them `shared` too often.
-        shared = self.shared_total
-        if self.grows:
-            k, owned_steps, internal_steps = self._jump_growth(filled0, k)
-            if k <= 0:
-                return 0.0
-            if shared:
-                owned_steps = owned_steps - shared
-            largest = self.capacity - owned_steps
-        else:
-            owned_steps = np.full(k, self.owned_total, dtype=np.int64)
-            internal_steps = np.full(k, self.internal_total, dtype=np.int64)
-            largest = np.full(k, self.alloc.largest_allocatable(), dtype=np.int64)
-        token_states = ctx[:k] - shared if shared else ctx[:k]
-        pulled = np.searchsorted(self.arrival, starts[:k], side="right")
-        waiting = len(self.waiting) + len(self.swapped) \
-            + self.servable_cum[pulled] - self.servable_cum[self._next]
-        self.rec.record_steps(self.now, dts[:k], token_states, owned_steps, internal_steps,
-                              largest, n, waiting, shared)
-        self.now = float(starts[k])
-        self.g += k
-        self.num_steps += k
-        if cfg.check:
-            self._check()
-        return float(dts[:k].sum())
-
-    def _jump_growth(self, filled0: np.ndarray, k: int) -> tuple[int, np.ndarray, np.ndarray]:
-        """Paged growth over ``k`` steps: the blocks each step takes, in exact-mode order.
-
-        A row needs a new block at the start of step ``j`` when ``filled0 + j + 1`` first
-        exceeds what it owns, i.e. at ``j0 = owned − filled0``, then every ``B`` steps.
-        Stops before the first step whose blocks would not all be available.
-        """
-        b, B = self.batch, self.block_size
-        n = b.n
-        j0 = b.owned[:n] - filled0
-        count = np.where(j0 < k, (k - j0 + B - 1) // B, 0)
-        total = int(count.sum())
-        if total == 0:
-            return (k, np.full(k, self.owned_total, dtype=np.int64),
-                    np.full(k, self.internal_total, dtype=np.int64))
-        rows = np.repeat(np.arange(n), count)
-        within = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
-        step = j0[rows] + B * within
-        per_step = np.bincount(step, minlength=k)
-        cum = np.cumsum(per_step)
-        free_blocks = (self.capacity - self.owned_total + self.shared_total) // B
-        over = np.flatnonzero(cum > free_blocks)
-        if len(over):
-            k = int(over[0])
-            keep = step < k
-            rows, within, step = rows[keep], within[keep], step[keep]
-            if k == 0:
-                return 0, per_step[:0], per_step[:0]
-        order = np.lexsort((b.req[rows], step))
-        final = b.final[rows]
-        old = b.owned[rows] + B * within
-        d_internal = np.maximum(0, old + B - final) - np.maximum(0, old - final)
-        owned_steps = self.owned_total + B * np.cumsum(np.bincount(step, minlength=k))[:k]
-        internal_steps = self.internal_total + np.cumsum(
-            np.bincount(step, weights=d_internal, minlength=k)).astype(np.int64)[:k]
-        extend = self.alloc.extend
-        for i in order:
-            row = int(rows[i])
-            target = int(filled0[row]) + int(step[i]) + 1
-            if not extend(int(b.seq[row]), target - int(b.requested[row])):
-                raise AssertionError("paged growth failed inside a stretch that had room for it")
-            b.requested[row] = target
-            b.owned[row] += B
-        self.owned_total = int(owned_steps[-1])
-        self.internal_total = int(internal_steps[-1])
-        return k, owned_steps, internal_steps
-
-    # ------------------------------------------------------- request-level batching
+        """Advance a stretch of uneventful decode steps at once (see :mod:`fragsim.stretch`)."""
+        return stretch.jump(self)
 
     def _static_step(self) -> float:
-        """Request-level batching: form a batch, or run the current one one step."""
-        self._step_extra = 0.0
-        self._freed = False
-        self._chunks = []
-        self._pull_arrivals()
-        self._expire_waiting()
-        b = self.batch
-        if not self._static_running:
-            self._budget = 1 << 62  # the whole batch prefills in its first step
-            self._admit()
-            if not self.prefilling:
-                return 0.0
-            self._static_running = True
-        n = b.n + len(self.prefilling)
-        decode_context = int(b.offset[: b.n].sum()) + b.n * self.g
-        if self._chunks:
-            tokens = sum(c for _, c in self._chunks)
-            units = sum(c * (c - 1) // 2 for _, c in self._chunks)
-            dt = self.cost.step_time(tokens, units, b.n, decode_context)
-        else:
-            dt = float(self.cost.decode_step_times(n, np.array([decode_context]))[0])
-        token_states = int(np.minimum(b.offset[: b.n] + self.g, b.final[: b.n]).sum())
-        self.rec.record(self.now, dt, token_states, self.owned_total, self.internal_total,
-                        self.alloc.largest_allocatable(), n, len(self.waiting))
-        if self.observer is not None:
-            self.observer.before_step(self, dt)
-        self.now = self.now + dt
-        self.num_steps += 1
-        self.g += 1
-        for p, chunk in self._chunks:
-            self.num_prefill_tokens += chunk
-            self.generated[p.req] += 1
-            self.first_token[p.req] = self.now
-            b.add(p.req, p.target + 1, self.g, p.owned, p.requested, int(self.final[p.req]))
-        self.prefilling.clear()
-        if b.n and bool(np.all(b.offset[: b.n] + self.g >= b.final[: b.n])):
-            for row in range(b.n):
-                req = int(b.req[row])
-                self.alloc.free(req)
-                self._take(req, int(b.owned[row]), -1)
-                self._finish(req)
-            b.n = 0
-            self._static_running = False
-        self._quiet = self._static_running
-        if self.observer is not None:
-            self.observer.after_step(self)
-        return dt
+        return request_batching.static_step(self)
 
     def _static_jump(self) -> float:
-        b, cfg = self.batch, self.cfg
-        n = b.n
-        if not self._quiet or cfg.exact_steps or n == 0:
-            return 0.0
-        filled0 = b.offset[:n] + self.g
-        remaining = b.final[:n] - filled0
-        k = min(int(remaining.max()) - 1, cfg.max_jump_steps)
-        if k <= 0:
-            return 0.0
-        steps = np.arange(k, dtype=np.int64)
-        ctx = int(filled0.sum()) + n * steps
-        dts = self.cost.decode_step_times(n, ctx)
-        starts = np.cumsum(np.concatenate(([self.now], dts)))
-        if cfg.queue_timeout_s is not None:
-            first = next((r for r in self.waiting if self.preemptions[r] == 0), None)
-            if first is None and self.next_servable[self._next] < self.N:
-                first = int(self.next_servable[self._next])
-                if self.arrival[first] > starts[k - 1]:
-                    first = None
-            if first is not None:
-                hit = np.flatnonzero(starts[:k] - self.arrival[first] > cfg.queue_timeout_s)
-                if len(hit):
-                    k = int(hit[0])
-                    if k <= 0:
-                        return 0.0
-        # Σ_r min(filled0_r + j, final_r) = Σ filled0 + Σ_r min(j, remaining_r)
-        rem = np.sort(remaining)
-        below = np.searchsorted(rem, steps[:k], side="left")
-        rem_cum = np.concatenate(([0], np.cumsum(rem)))
-        token_states = int(filled0.sum()) + rem_cum[below] + steps[:k] * (n - below)
-        pulled = np.searchsorted(self.arrival, starts[:k], side="right")
-        waiting = len(self.waiting) + self.servable_cum[pulled] - self.servable_cum[self._next]
-        self.rec.record_steps(self.now, dts[:k], token_states,
-                              np.full(k, self.owned_total), np.full(k, self.internal_total),
-                              np.full(k, self.alloc.largest_allocatable()), n, waiting)
-        self.now = float(starts[k])
-        self.g += k
-        self.num_steps += k
-        return float(dts[:k].sum())
+        return request_batching.static_jump(self)
 
     # ------------------------------------------------------------------ driver
 

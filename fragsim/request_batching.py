@@ -1,0 +1,108 @@
+"""Request-level (``static``) batching, as HuggingFace ``generate`` and FasterTransformer do.
+
+A batch forms when none runs: waiting requests are admitted first-come
+first-served while the allocator and ``max_num_seqs`` allow, all prefill in the
+batch's first step, and the batch decodes (finished members padding along) until
+its longest member is done; then every member returns and frees its memory. The
+seeds' "8 + 8 + 4" is this mode with room for 8.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from fragsim.engine import Engine
+
+
+def static_step(engine: Engine) -> float:
+    """Request-level batching: form a batch, or run the current one one step."""
+    engine._step_extra = 0.0
+    engine._freed = False
+    engine._chunks = []
+    engine._pull_arrivals()
+    engine._expire_waiting()
+    b = engine.batch
+    if not engine._static_running:
+        engine._budget = 1 << 62  # the whole batch prefills in its first step
+        engine._admit()
+        if not engine.prefilling:
+            return 0.0
+        engine._static_running = True
+    n = b.n + len(engine.prefilling)
+    decode_context = int(b.offset[: b.n].sum()) + b.n * engine.g
+    if engine._chunks:
+        tokens = sum(c for _, c in engine._chunks)
+        units = sum(c * (c - 1) // 2 for _, c in engine._chunks)
+        dt = engine.cost.step_time(tokens, units, b.n, decode_context)
+    else:
+        dt = float(engine.cost.decode_step_times(n, np.array([decode_context]))[0])
+    token_states = int(np.minimum(b.offset[: b.n] + engine.g, b.final[: b.n]).sum())
+    engine.rec.record(engine.now, dt, token_states, engine.owned_total, engine.internal_total,
+                    engine.alloc.largest_allocatable(), n, len(engine.waiting))
+    if engine.observer is not None:
+        engine.observer.before_step(engine, dt)
+    engine.now = engine.now + dt
+    engine.num_steps += 1
+    engine.g += 1
+    for p, chunk in engine._chunks:
+        engine.num_prefill_tokens += chunk
+        engine.generated[p.req] += 1
+        engine.first_token[p.req] = engine.now
+        b.add(p.req, p.target + 1, engine.g, p.owned, p.requested, int(engine.final[p.req]))
+    engine.prefilling.clear()
+    if b.n and bool(np.all(b.offset[: b.n] + engine.g >= b.final[: b.n])):
+        for row in range(b.n):
+            req = int(b.req[row])
+            engine.alloc.free(req)
+            engine._take(req, int(b.owned[row]), -1)
+            engine._finish(req)
+        b.n = 0
+        engine._static_running = False
+    engine._quiet = engine._static_running
+    if engine.observer is not None:
+        engine.observer.after_step(engine)
+    return dt
+
+def static_jump(engine: Engine) -> float:
+    b, cfg = engine.batch, engine.cfg
+    n = b.n
+    if not engine._quiet or cfg.exact_steps or n == 0:
+        return 0.0
+    filled0 = b.offset[:n] + engine.g
+    remaining = b.final[:n] - filled0
+    k = min(int(remaining.max()) - 1, cfg.max_jump_steps)
+    if k <= 0:
+        return 0.0
+    steps = np.arange(k, dtype=np.int64)
+    ctx = int(filled0.sum()) + n * steps
+    dts = engine.cost.decode_step_times(n, ctx)
+    starts = np.cumsum(np.concatenate(([engine.now], dts)))
+    if cfg.queue_timeout_s is not None:
+        first = next((r for r in engine.waiting if engine.preemptions[r] == 0), None)
+        if first is None and engine.next_servable[engine._next] < engine.N:
+            first = int(engine.next_servable[engine._next])
+            if engine.arrival[first] > starts[k - 1]:
+                first = None
+        if first is not None:
+            hit = np.flatnonzero(starts[:k] - engine.arrival[first] > cfg.queue_timeout_s)
+            if len(hit):
+                k = int(hit[0])
+                if k <= 0:
+                    return 0.0
+    # Σ_r min(filled0_r + j, final_r) = Σ filled0 + Σ_r min(j, remaining_r)
+    rem = np.sort(remaining)
+    below = np.searchsorted(rem, steps[:k], side="left")
+    rem_cum = np.concatenate(([0], np.cumsum(rem)))
+    token_states = int(filled0.sum()) + rem_cum[below] + steps[:k] * (n - below)
+    pulled = np.searchsorted(engine.arrival, starts[:k], side="right")
+    waiting = len(engine.waiting) + engine.servable_cum[pulled] - engine.servable_cum[engine._next]
+    engine.rec.record_steps(engine.now, dts[:k], token_states,
+                          np.full(k, engine.owned_total), np.full(k, engine.internal_total),
+                          np.full(k, engine.alloc.largest_allocatable()), n, waiting)
+    engine.now = float(starts[k])
+    engine.g += k
+    engine.num_steps += k
+    return float(dts[:k].sum())
