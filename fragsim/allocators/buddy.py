@@ -161,16 +161,10 @@ class BuddyAllocator(ExtentBook):
             self._push(offset + (1 << order), order)
         size = 1 << need
         self._num_free -= size
-        extent = new_extent(offset, size)
-        self._extents[seq_id] = extent
-        self._requested[seq_id] = num_slots
-        return extent
+        return self._record(seq_id, new_extent(offset, size), num_slots)
 
     def free(self, seq_id: int) -> None:
-        extent = self._extents.pop(seq_id, None)
-        if extent is None:
-            raise ValueError(f"free of unknown sequence {seq_id}")
-        del self._requested[seq_id]
+        extent = self._forget(seq_id)
         offset = extent.offset
         size = extent.length
         self._num_free += size

@@ -101,15 +101,10 @@ class ContiguousAllocator(ExtentBook):
         else:
             del hole_at_end[offset + size]
         self._num_free -= num_slots
-        extent = self._extents[seq_id] = new_extent(offset, num_slots)
-        self._requested[seq_id] = num_slots
-        return extent
+        return self._record(seq_id, new_extent(offset, num_slots), num_slots)
 
     def free(self, seq_id: int) -> None:
-        extent = self._extents.pop(seq_id, None)
-        if extent is None:
-            raise ValueError(f"free of unknown sequence {seq_id}")
-        del self._requested[seq_id]
+        extent = self._forget(seq_id)
         start = extent.offset
         end = start + extent.length
         self._num_free += extent.length

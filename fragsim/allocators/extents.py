@@ -18,6 +18,20 @@ class ExtentBook:
     _extents: dict[int, Extent]
     _requested: dict[int, int]
 
+    def _record(self, seq_id: int, extent: Extent, num_slots: int) -> Extent:
+        """Remember a new sequence's extent and request (after placement found it)."""
+        self._extents[seq_id] = extent
+        self._requested[seq_id] = num_slots
+        return extent
+
+    def _forget(self, seq_id: int) -> Extent:
+        """Drop a sequence; its extent is the caller's to give back to the free space."""
+        extent = self._extents.pop(seq_id, None)
+        if extent is None:
+            raise ValueError(f"free of unknown sequence {seq_id}")
+        del self._requested[seq_id]
+        return extent
+
     def extend(self, seq_id: int, num_slots: int) -> bool:
         requested = self._requested.get(seq_id)
         if requested is None:
