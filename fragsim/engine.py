@@ -53,6 +53,10 @@ REFUSE_TOO_LONG, REFUSE_TOO_LARGE, REFUSE_TIMEOUT = 1, 2, 3
 REFUSE_REASONS = {0: "", REFUSE_TOO_LONG: "too_long", REFUSE_TOO_LARGE: "too_large",
                   REFUSE_TIMEOUT: "timeout"}
 _BLOCK_FRAG, _BLOCK_CAP, _BLOCK_BATCH = 1, 2, 4
+_REFUSAL_COUNTER = {REFUSE_TOO_LONG: "num_refused_too_long", REFUSE_TOO_LARGE: "num_refused_too_large",
+                    REFUSE_TIMEOUT: "num_refused_timeout"}
+_BLOCK_COUNTER = {_BLOCK_FRAG: "num_blocked_fragmentation", _BLOCK_CAP: "num_blocked_capacity",
+                  _BLOCK_BATCH: "num_blocked_batch_limit"}
 
 BATCHING = ("continuous", "static")
 PREEMPTION = ("recompute", "swap")
@@ -289,13 +293,7 @@ class Engine:
         # Unservable requests are answered on arrival; a timeout when it is noticed.
         self.finish[req] = self.now if reason == REFUSE_TIMEOUT else self.arrival[req]
         self.num_done += 1
-        c = self.rec.counters
-        if reason == REFUSE_TOO_LONG:
-            c.num_refused_too_long += 1
-        elif reason == REFUSE_TOO_LARGE:
-            c.num_refused_too_large += 1
-        else:
-            c.num_refused_timeout += 1
+        self.rec.counters.bump(_REFUSAL_COUNTER[reason])
 
     def _pull_arrivals(self) -> None:
         arrival, now = self.arrival, self.now
@@ -324,13 +322,7 @@ class Engine:
         if self.blocked[req] & kind:
             return
         self.blocked[req] |= kind
-        c = self.rec.counters
-        if kind == _BLOCK_FRAG:
-            c.num_blocked_fragmentation += 1
-        elif kind == _BLOCK_CAP:
-            c.num_blocked_capacity += 1
-        else:
-            c.num_blocked_batch_limit += 1
+        self.rec.counters.bump(_BLOCK_COUNTER[kind])
 
     def _num_running(self) -> int:
         return self.batch.n + len(self.prefilling)

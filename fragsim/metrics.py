@@ -95,6 +95,9 @@ class Counters:
     num_preemptions_recompute: int = 0
     num_preemptions_swap: int = 0
 
+    def bump(self, name: str) -> None:
+        setattr(self, name, getattr(self, name) + 1)
+
     @property
     def num_refused(self) -> int:
         return self.num_refused_too_long + self.num_refused_too_large + self.num_refused_timeout
