@@ -94,10 +94,11 @@ def run_one(label: str, occupancy: float, num_pairs: int, seed: int) -> dict[str
     # CPU time of this process, not wall time: the development machine is shared,
     # and time spent descheduled says nothing about the allocator.
     start = time.process_time()
-    for seq_id, free_id, new, old in zip(count(NUM_SEQS), free_ids, new_sizes, old_sizes):
+    for seq_id, free_id, new in zip(count(NUM_SEQS), free_ids, new_sizes):
         free(free_id)
         if allocate(seq_id, new) is None:
             fallbacks += 1
+            old = old_sizes[seq_id - NUM_SEQS]
             old = fallen_back[seq_id] = fallen_back.get(free_id, old)
             if allocate(seq_id, old) is None:
                 raise RuntimeError(f"{label}: the freed size {old} no longer fits")

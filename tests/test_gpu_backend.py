@@ -46,7 +46,7 @@ def test_corrupted_block_table_is_caught() -> None:
         a, b = live[0], live[1]
         stolen = alloc.placement(b).block_ids[0]
         table = alloc.placement(a)
-        alloc._tables[a] = BlockTable(table.block_size, (stolen, *table.block_ids[1:]))
+        alloc._seqs[a][1] = BlockTable(table.block_size, (stolen, *table.block_ids[1:]))
 
     spec = RunSpec(trace="azure-conv", num_requests=12, rate=50.0)
     report = run_validation(spec, "vllm", shape=SHAPE, scale=0.04, attention_every=3, corrupt=corrupt)

@@ -22,12 +22,10 @@ executes the placements they return.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 
-@dataclass(frozen=True)
-class Extent:
+class Extent(NamedTuple):
     """A contiguous run of slots ``[offset, offset + length)``.
 
     Used by ``static``, ``contiguous`` and ``buddy``: the attention kernel reads a
@@ -43,8 +41,7 @@ class Extent:
         return self.offset + position
 
 
-@dataclass(frozen=True)
-class BlockTable:
+class BlockTable(NamedTuple):
     """Physical block ids in logical order; block ``b`` holds slots ``[b*B, (b+1)*B)``.
 
     Position ``p`` of the sequence lives in slot
@@ -52,10 +49,11 @@ class BlockTable:
     """
 
     block_size: int
-    block_ids: tuple[int, ...] = field(default_factory=tuple)
+    block_ids: tuple[int, ...] = ()
 
     @property
     def length(self) -> int:
+        """Slots the table covers: whole blocks."""
         return len(self.block_ids) * self.block_size
 
     def slot(self, position: int) -> int:
@@ -67,30 +65,22 @@ class BlockTable:
 
 Placement = Extent | BlockTable
 
-# NOTE: a frozen dataclass's __init__ sets each field through object.__setattr__,
-# which costs about twice what the allocators' whole allocate() does otherwise.
-# These build the same objects (equal, hashable, frozen afterwards) by filling
-# the instance dict directly; they rely on the two classes keeping a __dict__
-# (no slots=True), which the allocator tests would catch at once.
-_new = object.__new__
+# Placements are immutable named tuples: one C-level allocation each, equal and
+# hashable by value. (A frozen dataclass costs a Python __init__ that sets every
+# field through object.__setattr__: more than the rest of paged allocate().)
+# The allocators' hot paths build them with tuple.__new__ directly, skipping the
+# generated __new__'s Python frame; these two name that.
+_tuple_new = tuple.__new__
 
 
 def new_extent(offset: int, length: int) -> Extent:
     """``Extent(offset, length)`` for the allocators' hot paths (no validation)."""
-    extent = _new(Extent)
-    fields = extent.__dict__
-    fields["offset"] = offset
-    fields["length"] = length
-    return extent
+    return _tuple_new(Extent, (offset, length))
 
 
 def new_block_table(block_size: int, block_ids: tuple[int, ...]) -> BlockTable:
     """``BlockTable(block_size, block_ids)`` for the allocators' hot paths (no validation)."""
-    table = _new(BlockTable)
-    fields = table.__dict__
-    fields["block_size"] = block_size
-    fields["block_ids"] = block_ids
-    return table
+    return _tuple_new(BlockTable, (block_size, block_ids))
 
 
 @runtime_checkable

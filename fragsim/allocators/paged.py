@@ -22,8 +22,9 @@ FIFO rather than LIFO spreads reuse over the whole pool, as the real system does
 The queue is a list and a head index rather than a deque: taking ``k`` blocks is
 one slice, which keeps allocate O(1) per block at C speed. The consumed prefix
 is dropped once it is more than half the list, so memory stays O(num_blocks).
-Each sequence's BlockTable is built when its blocks change and kept, so
-``placement()``, which the GPU side calls every step, costs nothing.
+Each sequence's BlockTable is built when its blocks change and kept beside its
+requested count in one ``[requested, table]`` entry, so ``placement()``, which the
+GPU side calls every step, costs nothing, and ``free()`` is one dict pop.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 from fragsim.allocators.base import BlockTable, new_block_table
 from fragsim.allocators.reservation import check_choice, check_int
 
-_new = object.__new__
+_tuple_new = tuple.__new__
 
 
 class PagedAllocator:
@@ -48,8 +49,7 @@ class PagedAllocator:
         "num_blocks",
         "_queue",
         "_head",
-        "_tables",
-        "_requested",
+        "_seqs",
     )
 
     def __init__(
@@ -74,8 +74,8 @@ class PagedAllocator:
         self.placement_name = "paged"
         self._queue: list[int] = list(range(self.num_blocks))
         self._head = 0  # free blocks are self._queue[self._head:]
-        self._tables: dict[int, BlockTable] = {}
-        self._requested: dict[int, int] = {}
+        # seq_id -> [requested slots, block table]: one dict, so free() is one pop
+        self._seqs: dict[int, list] = {}
 
     def rounded(self, num_slots: int) -> int:
         if num_slots < 1:
@@ -88,8 +88,8 @@ class PagedAllocator:
         return -(-num_slots // self.block_size) <= len(self._queue) - self._head
 
     def allocate(self, seq_id: int, num_slots: int) -> BlockTable | None:
-        requested = self._requested
-        if seq_id in requested:
+        seqs = self._seqs
+        if seq_id in seqs:
             raise ValueError(f"sequence {seq_id} is already allocated")
         head = self._head
         end = head - (-num_slots // self.block_size)
@@ -99,43 +99,39 @@ class PagedAllocator:
                 raise ValueError(f"num_slots must be >= 1, got {num_slots}")
             return None
         self._head = end
-        requested[seq_id] = num_slots
         # new_block_table(), inlined: this is the hottest line of a paged run.
-        table = _new(BlockTable)
-        fields = table.__dict__
-        fields["block_size"] = self.block_size
-        fields["block_ids"] = tuple(queue[head:end])
-        self._tables[seq_id] = table
+        table = _tuple_new(BlockTable, (self.block_size, tuple(queue[head:end])))
+        seqs[seq_id] = [num_slots, table]
         return table
 
     def extend(self, seq_id: int, num_slots: int) -> bool:
-        requested = self._requested.get(seq_id)
-        if requested is None:
+        entry = self._seqs.get(seq_id)
+        if entry is None:
             raise ValueError(f"extend of unknown sequence {seq_id}")
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        requested, table = entry
         total = requested + num_slots
-        table = self._tables[seq_id]
         missing = -(-total // self.block_size) - len(table.block_ids)
         if missing > 0:
             head = self._head
             end = head + missing
             if end > len(self._queue):
                 return False
-            self._tables[seq_id] = new_block_table(
+            entry[1] = new_block_table(
                 self.block_size, table.block_ids + tuple(self._queue[head:end])
             )
             self._head = end
-        self._requested[seq_id] = total
+        entry[0] = total
         return True
 
     def free(self, seq_id: int) -> None:
-        table = self._tables.pop(seq_id, None)
-        if table is None:
-            raise ValueError(f"free of unknown sequence {seq_id}")
-        del self._requested[seq_id]
+        try:
+            entry = self._seqs.pop(seq_id)
+        except KeyError:
+            raise ValueError(f"free of unknown sequence {seq_id}") from None
         queue = self._queue
-        queue += table.block_ids
+        queue += entry[1][1]  # the table's block_ids
         head = self._head
         if head > 1024 and head > len(queue) >> 1:
             del queue[:head]
@@ -159,47 +155,47 @@ class PagedAllocator:
         return self._queue[self._head :]
 
     def placement(self, seq_id: int) -> BlockTable:
-        table = self._tables.get(seq_id)
-        if table is None:
+        return self._entry(seq_id)[1]
+
+    def _entry(self, seq_id: int) -> list:
+        entry = self._seqs.get(seq_id)
+        if entry is None:
             raise ValueError(f"unknown sequence {seq_id}")
-        return table
+        return entry
 
     def num_owned(self, seq_id: int) -> int:
-        return len(self.placement(seq_id).block_ids) * self.block_size
+        return len(self._entry(seq_id)[1].block_ids) * self.block_size
 
     def num_requested(self, seq_id: int) -> int:
-        self.placement(seq_id)
-        return self._requested[seq_id]
+        return self._entry(seq_id)[0]
 
     def seq_ids(self) -> list[int]:
         """Live sequences in the order they were allocated."""
-        return list(self._requested)
+        return list(self._seqs)
 
     def check(self) -> None:
         free = self.free_block_ids()
         assert 0 <= self._head <= len(self._queue), f"free-list head {self._head} out of range"
         assert len(set(free)) == len(free), f"free list has duplicates: {sorted(free)}"
         seen = set(free)
-        for seq_id, table in self._tables.items():
+        owned = 0
+        for seq_id, (requested, table) in self._seqs.items():
             ids = table.block_ids
-            assert table.block_size == self.block_size, (
-                f"seq {seq_id}: table of block size {table.block_size}"
+            assert isinstance(table, BlockTable) and table.block_size == self.block_size, (
+                f"seq {seq_id}: table {table!r} is not a BlockTable of block size {self.block_size}"
             )
             shared = seen.intersection(ids)
             assert not shared and len(set(ids)) == len(ids), (
                 f"seq {seq_id}: blocks {sorted(shared) or ids} are also free or held twice"
             )
             seen.update(ids)
-            requested = self._requested.get(seq_id)
-            assert requested is not None, f"seq {seq_id} has a table but no requested count"
             want = -(-requested // self.block_size)
             assert len(ids) == want, (
                 f"seq {seq_id}: {len(ids)} blocks for {requested} slots, want {want}"
             )
+            owned += len(ids) * self.block_size
         assert seen == set(range(self.num_blocks)), (
             f"blocks neither free nor held: {sorted(set(range(self.num_blocks)) - seen)}; "
             f"unknown blocks: {sorted(seen - set(range(self.num_blocks)))}"
         )
-        assert self._requested.keys() == self._tables.keys(), "requested and tables disagree"
-        owned = sum(len(t.block_ids) for t in self._tables.values()) * self.block_size
         assert self.num_free() + owned == self.capacity, "free + owned != capacity"

@@ -127,9 +127,9 @@ class VMMAllocator(PagedAllocator):
         return table
 
     def extend(self, seq_id: int, num_slots: int) -> bool:
-        requested = self._requested.get(seq_id)
-        if requested is not None and requested + num_slots > self.virtual_len:
-            self._check_range(seq_id, requested + num_slots)
+        entry = self._seqs.get(seq_id)
+        if entry is not None and entry[0] + num_slots > self.virtual_len:
+            self._check_range(seq_id, entry[0] + num_slots)
         return super().extend(seq_id, num_slots)
 
     def free(self, seq_id: int) -> None:
@@ -149,12 +149,12 @@ class VMMAllocator(PagedAllocator):
 
     def check(self) -> None:
         super().check()
-        assert self._virtual.keys() == self._requested.keys(), "virtual ranges and sequences disagree"
+        assert self._virtual.keys() == self._seqs.keys(), "virtual ranges and sequences disagree"
         live = set(self._virtual.values())
         free = set(self._free_virtual)
         assert len(live) == len(self._virtual), "two sequences share a virtual range"
         assert not live & free and len(free) == len(self._free_virtual), "virtual range both free and live"
         assert live | free == set(range(self._next_virtual)), "virtual ranges lost"
-        for seq_id, requested in self._requested.items():
+        for seq_id, (requested, _) in self._seqs.items():
             assert requested <= self.virtual_len, f"seq {seq_id} outgrew its virtual range"
         assert self.capacity == self.num_pages * self.tokens_per_page
