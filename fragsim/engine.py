@@ -86,6 +86,7 @@ class EngineConfig:
     num_samples: int = 1                 # parallel sampling: sequences decoded per prompt
     beam_width: int = 1                  # beam search width
     prefix_caching: bool = False
+    beam_theta: float = 0.1              # next-token concentration θ of the beam model (fragsim.sharing)
     sharing_seed: int = 0                # which beams survive each step
 
     def __post_init__(self) -> None:
@@ -103,6 +104,7 @@ class EngineConfig:
         need(self.max_jump_steps >= 1, f"max_jump_steps must be >= 1, got {self.max_jump_steps}")
         need(self.num_samples >= 1, f"num_samples must be >= 1, got {self.num_samples}")
         need(self.beam_width >= 1, f"beam_width must be >= 1, got {self.beam_width}")
+        need(self.beam_theta > 0, f"beam_theta must be > 0, got {self.beam_theta}")
         need(self.num_samples == 1 or self.beam_width == 1,
              f"choose parallel sampling or beam search, got num_samples={self.num_samples} "
              f"and beam_width={self.beam_width}")

@@ -18,16 +18,29 @@ Parallel sampling (``num_samples = n``)
     Every sample has the request's output length: they finish together.
 
 Beam search (``beam_width = w``)
-    Admitted like ``w`` samples (the first step's ``w`` best tokens). Then each
-    decode step, before growth, every one of the ``w`` new beams picks the beam
-    it extends, uniformly at random among the current ``w`` (a neutral
-    Wright–Fisher model, seeded by ``sharing_seed``, drawn request by request in
-    arrival order): a beam nobody picked is pruned (freed), a beam picked ``c``
-    times is forked ``c − 1`` times, and every beam then takes room for its
-    token, copying its last block if it is shared and partly filled. Beams thus
-    share a history that reaches back to their latest common ancestor, ~``w``
-    steps on average; the vLLM paper (§4.4) describes the same fork-and-prune
-    mechanics with the model's scores choosing the survivors.
+    Admitted like ``w`` samples. Survivors are chosen by score, as in the vLLM
+    paper (§4.4) and every beam search: each beam carries its cumulative
+    log-probability; each decode step, before growth, every beam proposes its
+    ``w`` most likely next tokens, and the ``w`` best (beam score + token
+    log-probability) of the ``w × w`` candidates survive. A beam with no
+    surviving candidate is pruned (freed), one with ``c`` of them is forked
+    ``c − 1`` times, and every beam then takes room for its token, copying its
+    last block if it is shared and partly filled. The first token's ``w`` best
+    choices start the beams at the end of the prefill.
+
+    With no language model to ask, each beam's next-token distribution is drawn
+    from a Poisson–Dirichlet(θ) law (GEM stick-breaking: stick ``k`` is
+    ``V_k Π_{j<k} (1 − V_j)`` with ``V ~ Beta(1, θ)``; the ``2w`` first sticks,
+    sorted, give the top ``w``), θ = ``beam_theta``. The likeliest token's
+    probability averages 0.98 at θ = 0.03, 0.94 at 0.1, 0.88 at 0.2 and 0.62 at 1
+    (the Golomb–Dickman constant). A small θ is a confident model: each beam's
+    own continuation usually outscores the others' alternatives, beams live
+    long, and their histories part far back; a large θ a flat one: the best
+    beams' children crowd out the rest every step, and the beams share almost
+    all they hold. θ is a property of the text, fitted per synthetic workload
+    against the paper's Figure 15 (:mod:`fragsim.traces.workloads`), 0.1 for
+    other traces. Draws are seeded by ``sharing_seed``, request by request in
+    arrival order; a preempted group restarts from its prompt and draws anew.
 
 Prefix caching (``prefix_caching``)
     At admission the leading full prompt blocks whose keys
@@ -109,6 +122,8 @@ class SharingEngine(Engine):
         self.prefix = PrefixKeys(trace, self.block_size) if config.prefix_caching else None
         self._next_seq = self.N            # sequence ids past the request ids
         self._rng = np.random.default_rng(config.sharing_seed)
+        self.theta = config.beam_theta
+        self._score: dict[int, float] = {}  # beam seq -> cumulative log-probability (beams only)
         self.num_prefix_queries = 0        # tokens looked up at admission (vLLM: queries)
         self.num_prefix_hits = 0           # of which found cached
         self.cached = np.zeros(self.N, dtype=np.int64)  # tokens found cached at its last admission
@@ -205,34 +220,65 @@ class SharingEngine(Engine):
         else:
             super()._grow_decoders()  # samples' last blocks are their own: no copies here
 
+    def _token_logprobs(self, num_beams: int) -> np.ndarray:
+        """``[num_beams, w]``: log-probabilities of each beam's ``w`` likeliest next tokens,
+        best first, from a Poisson–Dirichlet(θ) next-token distribution per beam.
+
+        Stick-breaking in log space: ``1 − V ~ Beta(θ, 1)`` is ``U^(1/θ)``, so
+        ``log(1 − V) = log(U) / θ`` exactly, however close to 1 a confident V is."""
+        w = self.width
+        log_rest = np.log1p(-self._rng.random((num_beams, 2 * w))) / self.theta
+        with np.errstate(divide="ignore"):
+            log_v = np.log1p(-np.exp(log_rest))
+        log_p = log_v
+        log_p[:, 1:] += np.cumsum(log_rest, axis=1)[:, :-1]
+        return -np.sort(-log_p, axis=1)[:, :w]
+
+    def _start_beams(self, seqs: tuple[int, ...]) -> None:
+        """The first token's ``w`` best choices start the ``w`` beams."""
+        for seq, score in zip(seqs, self._token_logprobs(1)[0].tolist(), strict=True):
+            self._score[seq] = score
+
     def _beam_step(self) -> None:
-        """Prune and fork every beam group, then give every beam room for its token."""
-        b, alloc, g, w = self.batch, self.alloc, self.g, self.width
+        """Prune and fork every beam group by score, then give every beam room for its token."""
+        b, alloc, g, w, score = self.batch, self.alloc, self.g, self.width, self._score
         if b.n:
             reqs = np.unique(b.req[: b.n]).tolist()
-            draws = self._rng.integers(0, w, size=(len(reqs), w))
-            for req, parents in zip(reqs, draws, strict=True):
+            log_p = self._token_logprobs(len(reqs) * w).reshape(len(reqs), w, w)
+            for req, req_log_p in zip(reqs, log_p, strict=True):
                 rows = np.flatnonzero(b.req[: b.n] == req)
                 rows = rows[np.argsort(b.seq[rows])]
                 if len(rows) != w:
                     raise AssertionError(f"request {req} has {len(rows)} beams, not {w}")
-                counts = np.bincount(parents, minlength=w)
+                seqs = b.seq[rows].tolist()
+                cand = np.array([score[s] for s in seqs])[:, None] + req_log_p
+                best = np.argsort(-cand, axis=None, kind="stable")[:w]
+                picked: list[list[float]] = [[] for _ in range(w)]  # surviving scores by parent
+                for flat in best.tolist():
+                    picked[flat // w].append(float(cand.flat[flat]))
+                top = picked[best[0] // w][0]  # scores stay near 0: only differences matter
                 final = int(self.final[req])
-                for row in rows[counts == 0].tolist():  # pruned first: their blocks come free
-                    alloc.free(int(b.seq[row]))
-                    self._take(req, int(b.owned[row]), -1)
-                for row, count in zip(rows.tolist(), counts.tolist(), strict=True):
+                pruned = [i for i in range(w) if not picked[i]]
+                for i in pruned:  # pruned first: their blocks come free
+                    alloc.free(seqs[i])
+                    del score[seqs[i]]
+                    self._take(req, int(b.owned[rows[i]]), -1)
+                for i, (row, seq) in enumerate(zip(rows.tolist(), seqs, strict=True)):
+                    if not picked[i]:
+                        continue
+                    score[seq] = picked[i][0] - top
                     filled = int(b.offset[row]) + g
-                    for _ in range(count - 1):
+                    for child_score in picked[i][1:]:
                         child = self._next_seq
                         self._next_seq += 1
-                        alloc.fork(int(b.seq[row]), child, filled)
+                        alloc.fork(seq, child, filled)
+                        score[child] = child_score - top
                         if self.fork_log is not None:
-                            self.fork_log.append((int(b.seq[row]), child, filled))
+                            self.fork_log.append((seq, child, filled))
                         owned = alloc.num_owned(child)
                         self._take(req, owned)
                         b.add(req, filled, g, owned, filled, final, child)
-                b.remove_rows(rows[counts == 0])
+                b.remove_rows(rows[pruned])
         while True:
             n = b.n
             need = np.flatnonzero(b.requested[:n] < b.offset[:n] + g + 1)
@@ -287,6 +333,7 @@ class SharingEngine(Engine):
         owned = 0
         for row in rows.tolist():
             alloc.free(int(b.seq[row]))
+            self._score.pop(int(b.seq[row]), None)  # a group restarts from its prompt
             self._take(cand, int(b.owned[row]), -1)
             owned += int(b.owned[row])
         b.remove_rows(rows)
@@ -322,12 +369,15 @@ class SharingEngine(Engine):
             for seq in p.seqs:
                 self.batch.add(req, p.target + 1, g, alloc.num_owned(seq), alloc.num_requested(seq),
                                final, seq)
+            if self.beam:
+                self._start_beams(p.seqs)
         b = self.batch
         done = np.flatnonzero(b.offset[: b.n] + g >= b.final[: b.n])
         if len(done):
             for row in done.tolist():
-                req = int(b.req[row])
-                alloc.free(int(b.seq[row]))
+                req, seq = int(b.req[row]), int(b.seq[row])
+                alloc.free(seq)
+                self._score.pop(seq, None)
                 self._take(req, int(b.owned[row]), -1)
                 if self.status[req] != FINISHED:
                     self._finish(req)

@@ -34,6 +34,8 @@ from fragsim.engine import (
 from fragsim.errors import FragsimError
 
 DEFAULT_ALLOCATORS = ("ft-static", "orca-max", "orca-pow2", "orca-oracle", "vllm")
+#: beam model's θ for traces with no fitted value (likeliest token's probability 0.94 on average)
+DEFAULT_BEAM_THETA = 0.1
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class RunSpec:
     address_map: bool = False
     num_samples: int = 1                  # parallel sampling: sequences per prompt
     beam_width: int = 1                   # beam search width
+    beam_theta: float | None = None       # beam model's next-token concentration θ; None: the
+                                          # workload's fitted value, else DEFAULT_BEAM_THETA
     prefix_caching: bool = False
     system_prompt_len: int = 0            # tokens of one system prompt before every prompt
 
@@ -93,6 +97,17 @@ class RunResult:
     requests: pd.DataFrame
     timeseries: pd.DataFrame
     address_map: dict[str, Any] | None = field(default=None)
+
+
+def beam_theta(spec: RunSpec) -> float:
+    """The beam model's θ for a run: the spec's, else its synthetic workload's fitted one."""
+    from fragsim.traces import WORKLOADS
+
+    if spec.beam_theta is not None:
+        return spec.beam_theta
+    workload = WORKLOADS.get(spec.trace)
+    theta = workload.beam_theta if workload is not None else None
+    return DEFAULT_BEAM_THETA if theta is None else theta
 
 
 def load_workload(spec: RunSpec) -> Any:
@@ -210,7 +225,7 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
             exact_steps=spec.exact_steps, check=check, timeseries_resolution_s=resolution,
             address_map_interval_s=(resolution * 4 if spec.address_map else None),
             num_samples=spec.num_samples, beam_width=spec.beam_width,
-            prefix_caching=spec.prefix_caching, sharing_seed=spec.seed,
+            beam_theta=beam_theta(spec), prefix_caching=spec.prefix_caching, sharing_seed=spec.seed,
         )
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
@@ -321,6 +336,8 @@ def _sharing_summary(engine: Engine, mean_free: float) -> dict[str, Any]:
         "num_prefix_cache_evictions": int(getattr(alloc, "num_evictions", 0)),
         "mean_shared_slots": shared,
         "blocks_saved_frac": shared / (physical + shared) if physical + shared > 0 else 0.0,
+        # the beam model's next-token concentration (fragsim.sharing), when beams ran
+        "beam_theta": engine.cfg.beam_theta if engine.cfg.beam_width > 1 else None,
         "vmm_tokens_per_page": int(getattr(alloc, "tokens_per_page", 0)),
         # Bytes of the pool no token can use: the page tails of every K and V buffer.
         "page_tail_bytes": int(getattr(alloc, "page_tail_bytes", 0))

@@ -37,11 +37,13 @@ def sharing_engine(trace: Trace, capacity: int, block_size: int = 4, **config: A
     return SharingEngine(trace, alloc, FixedCostModel(0.1), EngineConfig(check=True, **config))
 
 
-class AlwaysFirst:
-    """A stand-in for the beam survival draw: every new beam extends the first beam."""
-
-    def integers(self, low: int, high: int, size: tuple[int, int]) -> np.ndarray:
-        return np.zeros(size, dtype=np.int64)
+def first_beam_wins(num_beams: int, width: int = 2) -> np.ndarray:
+    """A stand-in for the token draw: the first beam of every group (lowest sequence id)
+    is sure of its next two tokens; every other beam's best token is far less likely,
+    so both survivors are always the first beam's."""
+    log_p = np.tile([-5.0, -6.0], (num_beams, 1))
+    log_p[::width] = [0.0, -0.1]
+    return log_p
 
 
 def test_two_samples_by_hand() -> None:
@@ -72,7 +74,7 @@ def test_two_samples_by_hand() -> None:
 
 
 def test_beam_search_by_hand() -> None:
-    """Prompt 6, output 4, width 2, blocks of 4; every step both new beams extend beam 0.
+    """Prompt 6, output 4, width 2, blocks of 4; every step both survivors extend beam 0.
 
     step 0: as two samples (seq 0: blocks 0 1, seq 1: 0 2, copy 1 -> 2).
     step 1: seq 1 pruned (block 2 free); seq 2 forked from seq 0 over its 7 slots
@@ -84,7 +86,7 @@ def test_beam_search_by_hand() -> None:
             block 6 (the queue's head).  tokens 18 − 8 = 10, physical 16, internal 4
     """
     engine = sharing_engine(make_trace([0.0], [6], [4]), 16 * 4, beam_width=2)
-    engine._rng = AlwaysFirst()  # type: ignore[assignment]
+    engine._token_logprobs = first_beam_wins  # type: ignore[method-assign]
     engine.run()
     means = engine.rec.means()
     assert engine.rec.span_s == pytest.approx(0.4)
@@ -194,6 +196,59 @@ def test_blocks_saved_grow_with_samples_and_beams() -> None:
         saved[key] = simulate(load_workload(spec), "vllm", spec).summary["blocks_saved_frac"]
     assert 0.03 < saved["n2"] < saved["n4"] < 0.2
     assert 0.25 < saved["w2"] < saved["w4"] < 0.7
+
+
+def test_next_token_draws_are_sorted_distributions_with_the_right_confidence() -> None:
+    """Poisson–Dirichlet(θ) sticks: each beam's w best log-probabilities, best first, summing
+    to at most 1. At θ = 1 the largest atom's mean is the Golomb–Dickman constant 0.6243;
+    a smaller θ is a more confident model."""
+    top = {}
+    for theta in (0.03, 0.2, 1.0):
+        engine = sharing_engine(make_trace([0.0], [4], [4]), 64, beam_width=4, beam_theta=theta)
+        log_p = engine._token_logprobs(40_000)
+        assert log_p.shape == (40_000, 4)
+        assert bool(np.all(np.diff(log_p, axis=1) <= 0))
+        assert bool(np.all(np.exp(log_p).sum(axis=1) <= 1 + 1e-12))
+        top[theta] = np.exp(log_p[:, 0]).mean()
+    assert top[1.0] == pytest.approx(0.62433, abs=0.005)
+    assert top[1.0] < top[0.2] < top[0.03]
+
+
+def test_beams_survive_by_score() -> None:
+    """Prompt 6, output 2, width 2. The first token's choices score 0 (seq 0) and −1
+    (seq 1); then beam 0's tokens score −2, −3 and beam 1's −0.1, −0.2, so the
+    candidates are −2, −3 (beam 0) and −1.1, −1.2 (beam 1): both survivors are beam
+    1's. Seq 0 is pruned and seq 1 forks seq 2 over its 7 positions."""
+    engine = sharing_engine(make_trace([0.0], [6], [2]), 16 * 8, beam_width=2)
+    engine.fork_log = []
+    draws = iter([np.array([[0.0, -1.0]]), np.array([[-2.0, -3.0], [-0.1, -0.2]])])
+    engine._token_logprobs = lambda num_beams: next(draws)  # type: ignore[method-assign]
+    engine.run()
+    assert engine.fork_log == [(0, 1, 6), (1, 2, 7)]
+    assert engine._score == {}  # every beam finished and was forgotten
+    np.testing.assert_allclose(engine.finish, [0.2])
+
+
+def test_a_confident_model_shares_less() -> None:
+    """Small θ: beams keep their own continuations, their histories part early."""
+    saved = {}
+    for theta in (0.01, 0.1, 1.0):
+        spec = RunSpec(trace="alpaca-paper", rate=10.0, num_requests=150, beam_width=4, beam_theta=theta)
+        saved[theta] = simulate(load_workload(spec), "vllm", spec).summary["blocks_saved_frac"]
+    assert saved[0.01] < saved[0.1] < saved[1.0]
+
+
+def test_beam_theta_comes_from_the_spec_else_the_workload() -> None:
+    from fragsim.simulate import DEFAULT_BEAM_THETA, beam_theta
+
+    assert beam_theta(RunSpec(trace="alpaca-paper")) == 0.2
+    assert beam_theta(RunSpec(trace="sharegpt-paper")) == 0.03
+    assert beam_theta(RunSpec(trace="azure-conv")) == DEFAULT_BEAM_THETA == 0.1
+    assert beam_theta(RunSpec(trace="alpaca-paper", beam_theta=0.5)) == 0.5
+    spec = RunSpec(trace="alpaca-paper", rate=10.0, num_requests=20, beam_width=2)
+    assert simulate(load_workload(spec), "vllm", spec).summary["beam_theta"] == 0.2
+    with pytest.raises(ValueError, match="beam_theta must be > 0, got 0"):
+        EngineConfig(beam_width=2, beam_theta=0)
 
 
 def test_prefix_caching_shortens_prefill_and_ttft() -> None:

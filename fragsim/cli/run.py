@@ -100,6 +100,11 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
                    help="decode N samples per prompt, sharing the prompt's blocks (default 1)")
     g.add_argument("--beam-width", type=positive_int, default=1, metavar="W",
                    help="beam search of width W: beams fork and are pruned every step (default 1)")
+    g.add_argument("--beam-theta", type=positive_float, default=None, metavar="θ",
+                   help="beam model: concentration of the next-token distributions; small = a "
+                        "confident model whose beams persist, large = beams collapse onto the "
+                        "best one (default: the workload's fitted value, alpaca-paper 0.2, "
+                        "sharegpt-paper 0.03; 0.1 for other traces)")
     g.add_argument("--prefix-caching", action="store_true",
                    help="reuse cached prompt blocks across requests (vLLM automatic prefix caching)")
     g.add_argument("--system-prompt-len", type=int, default=0, metavar="S",
@@ -129,6 +134,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         page_kb=getattr(args, "page_kb", 2048),
         num_samples=getattr(args, "parallel_samples", 1),
         beam_width=getattr(args, "beam_width", 1),
+        beam_theta=getattr(args, "beam_theta", None),
         prefix_caching=getattr(args, "prefix_caching", False),
         system_prompt_len=getattr(args, "system_prompt_len", 0),
     )
@@ -224,7 +230,8 @@ def main(args: argparse.Namespace) -> int:
                  "ext. frag = 1 − largest allocatable / free")
     for s in (r.summary for r in results):
         if spec.sharing:
-            notes.append(f"{s['allocator']}: sharing saves {s['blocks_saved_frac']:.1%} of the blocks; "
+            beams = f" ({spec.beam_width} beams, θ = {s['beam_theta']:g})" if spec.beam_width > 1 else ""
+            notes.append(f"{s['allocator']}: sharing saves {s['blocks_saved_frac']:.1%} of the blocks{beams}; "
                          f"prefix cache hit {s['prefix_cache_hit_rate']:.1%} "
                          f"({s['prefix_cache_hits']:,} of {s['prefix_cache_queries']:,} tokens); "
                          f"{s['num_prefill_tokens']:,} prompt tokens computed")
