@@ -31,8 +31,9 @@ from a seeded generator, so a seed fixes the whole workload.
 Each workload also carries ``beam_theta``, the next-token concentration θ of the
 beam-search model (:mod:`fragsim.sharing`), a property of the text a workload
 makes a model write. Neither the paper nor the datasets give it; it is *fitted*
-so that beam search's blocks saved by sharing (``experiments/sharing.toml``,
-1,000 requests at 1 req/s, OPT-13B on an A100-40GB) best meets the ends of the
+so that beam search's blocks saved by sharing (``experiments/sharing.toml``'s
+setting, 1,000 requests at 1 req/s, OPT-13B on an A100-40GB; beams are
+insensitive to the rate) best meets the ends of the
 paper's Figure-15 ranges at w = 2 and w = 6 (the largest miss made smallest):
 Alpaca 0.2 (36.0 / 51.2 / 56.5% at w = 2 / 4 / 6 against 37.6–55.2%),
 ShareGPT 0.03 (42.3 / 60.8 / 67.3% against 44.3–66.3%). One θ per workload
