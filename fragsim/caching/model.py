@@ -54,123 +54,41 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
-KiB = 1 << 10
-MiB = 1 << 20
-GiB = 1 << 30
+from fragsim.caching.blocks import (
+    _BASE_ADDRESS,
+    LARGE,
+    LARGE_BUFFER,
+    MIN_BLOCK_SIZE,
+    ROUNDUP_INTERVALS,
+    SMALL,
+    SMALL_BUFFER,
+    SMALL_SIZE,
+    GiB,
+    KiB,
+    MiB,
+    _Block,
+    _round_up,
+    _roundup_power2_next_division,
+    allocation_size,
+)
+from fragsim.caching.expandable import ExpandableSegmentsMixin
+from fragsim.caching.report import BlockInfo, ReportMixin, SegmentInfo
 
-MIN_BLOCK_SIZE = 512  # kMinBlockSize
-SMALL_SIZE = 1 * MiB  # kSmallSize: largest request of the small pool
-SMALL_BUFFER = 2 * MiB  # kSmallBuffer: small-pool segment
-LARGE_BUFFER = 20 * MiB  # kLargeBuffer: segment for requests in (1 MiB, 10 MiB)
-MIN_LARGE_ALLOC = 10 * MiB  # kMinLargeAlloc
-ROUND_LARGE = 2 * MiB  # kRoundLarge
-ROUNDUP_INTERVALS = 16  # power-of-2 intervals from 1 MiB to 64 GiB
-
-SMALL, LARGE = "small", "large"
-_BASE_ADDRESS = 0x7F00_0000_0000  # looks like a device pointer; any aligned value works
-
-
-def _round_up(n: int, k: int) -> int:
-    return -(-n // k) * k
-
-
-def allocation_size(size: int) -> int:
-    """Bytes cudaMalloc'ed for a new segment that must hold ``size`` rounded bytes."""
-    if size <= SMALL_SIZE:
-        return SMALL_BUFFER
-    if size < MIN_LARGE_ALLOC:
-        return LARGE_BUFFER
-    return _round_up(size, ROUND_LARGE)
-
-
-def _roundup_power2_next_division(size: int, divisions: int) -> int:
-    """1200 with 4 divisions: between 1024 and 2048 the steps are 1024, 1280, 1536,
-    1792, so 1280."""
-    if size & (size - 1) == 0:
-        return size
-    floor = 1 << (size.bit_length() - 1)
-    step = floor >> (divisions.bit_length() - 1)
-    if step == 0:
-        return floor << 1
-    return size if size % step == 0 else size - size % step + step
+__all__ = [
+    "LARGE_BUFFER",
+    "BlockInfo",
+    "CachingAllocatorModel",
+    "GiB",
+    "KiB",
+    "MiB",
+    "SegmentInfo",
+    "_roundup_power2_next_division",
+    "allocation_size",
+]
 
 
-class _Block:
-    """A piece of a segment: allocated, cached free, or (expandable) unmapped.
-
-    ``prev``/``next`` chain a segment's blocks by address, as PyTorch's ``Block``
-    does, so merging on free is O(1).
-    """
-
-    __slots__ = ("addr", "size", "segment", "requested", "allocated", "mapped", "prev", "next", "tag")
-
-    def __init__(self, addr: int, size: int, segment: _Segment, mapped: bool = True) -> None:
-        self.addr = addr
-        self.size = size
-        self.segment = segment
-        self.requested = 0
-        self.allocated = False
-        self.mapped = mapped
-        self.prev: _Block | None = None
-        self.next: _Block | None = None
-        self.tag: str | None = None
-
-    @property
-    def free(self) -> bool:
-        return self.mapped and not self.allocated
-
-    @property
-    def whole(self) -> bool:
-        return self.prev is None and self.next is None
-
-
-class _Segment:
-    __slots__ = ("addr", "size", "pool", "expandable", "head")
-
-    def __init__(self, addr: int, size: int, pool: str, expandable: bool) -> None:
-        self.addr = addr
-        self.size = size
-        self.pool = pool
-        self.expandable = expandable
-        self.head = _Block(addr, size, self, mapped=not expandable)
-
-    def blocks(self) -> list[_Block]:
-        out: list[_Block] = []
-        b: _Block | None = self.head
-        while b is not None:
-            out.append(b)
-            b = b.next
-        return out
-
-
-@dataclass(frozen=True)
-class BlockInfo:
-    """One block of :meth:`CachingAllocatorModel.segments`; ``state`` is
-    ``active_allocated``, ``inactive`` or ``unmapped`` (expandable segments)."""
-
-    address: int
-    size: int
-    requested: int
-    state: str
-    tag: str | None = None
-
-
-@dataclass(frozen=True)
-class SegmentInfo:
-    """A segment as the model holds it (for expandable segments: the whole
-    reserved address range, mapped or not)."""
-
-    address: int
-    size: int
-    pool: str
-    expandable: bool
-    blocks: tuple[BlockInfo, ...]
-
-
-class CachingAllocatorModel:
+class CachingAllocatorModel(ExpandableSegmentsMixin, ReportMixin):
     """PyTorch's caching allocator on a device of ``device_bytes``.
 
     ``device_bytes`` is what cudaMalloc may hand out in total, checked as PyTorch
@@ -216,15 +134,13 @@ class CachingAllocatorModel:
         self._divisions = self._parse_divisions(roundup_power2_divisions)
         self._any_divisions = any(d > 1 for d in self._divisions)
 
-        self._segments: dict[int, _Segment] = {}
+        self._segments = {}
         self._next_addr = _BASE_ADDRESS
-        # free mapped blocks, per pool, as a sorted list of (size, addr): best fit
-        # is one bisect.
-        self._free: dict[str, list[tuple[int, int]]] = {SMALL: [], LARGE: []}
-        self._free_blocks: dict[int, _Block] = {}
-        self._active: dict[int, _Block] = {}
-        self._unmapped: dict[str, dict[int, _Block]] = {SMALL: {}, LARGE: {}}
-        self._whole_free: dict[int, _Block] = {}  # free blocks spanning a whole segment
+        self._free = {SMALL: [], LARGE: []}
+        self._free_blocks = {}
+        self._active = {}
+        self._unmapped = {SMALL: {}, LARGE: {}}
+        self._whole_free = {}
 
         self.reserved_bytes = 0
         self.allocated_bytes = 0
@@ -234,7 +150,7 @@ class CachingAllocatorModel:
         self.num_alloc_retries = 0
         self.num_device_alloc = 0
         self.num_device_free = 0
-        self.oom_events: list[dict[str, Any]] = []
+        self.oom_events = []
         self._ops = 0
 
     # ---- configuration ------------------------------------------------------
@@ -266,9 +182,6 @@ class CachingAllocatorModel:
         if divisions > 1 and size > MIN_BLOCK_SIZE * divisions:
             return _roundup_power2_next_division(size, divisions)
         return _round_up(size, MIN_BLOCK_SIZE)
-
-    def _page(self, pool: str) -> int:
-        return SMALL_BUFFER if pool == SMALL else LARGE_BUFFER
 
     # ---- the public verbs ----------------------------------------------------
 
@@ -321,47 +234,7 @@ class CachingAllocatorModel:
         allocation (expandable: unmap every free page)."""
         self._release_cached_blocks()
 
-    # ---- free-list bookkeeping ------------------------------------------------
-
-    def _insert_free(self, block: _Block) -> None:
-        pool = block.segment.pool
-        bisect.insort(self._free[pool], (block.size, block.addr))
-        self._free_blocks[block.addr] = block
-        if block.prev is None and block.next is None and not block.segment.expandable:
-            self._whole_free[block.addr] = block
-            self.releasable_bytes += block.size
-
-    def _remove_free(self, block: _Block) -> None:
-        lst = self._free[block.segment.pool]
-        i = bisect.bisect_left(lst, (block.size, block.addr))
-        del lst[i]
-        del self._free_blocks[block.addr]
-        if block.prev is None and block.next is None and block.addr in self._whole_free:
-            del self._whole_free[block.addr]
-            self.releasable_bytes -= block.size
-
-    @staticmethod
-    def _merge(dst: _Block, src: _Block) -> None:
-        """Fold neighbour ``src`` into ``dst``; neither may be in a free list."""
-        if src is dst.prev:
-            dst.addr = src.addr
-            dst.prev = src.prev
-            if dst.prev is not None:
-                dst.prev.next = dst
-            elif dst.segment.head is src:
-                dst.segment.head = dst
-        else:
-            dst.next = src.next
-            if dst.next is not None:
-                dst.next.prev = dst
-        dst.size += src.size
-
     # ---- malloc steps, named as in CUDACachingAllocator.cpp -------------------
-
-    def _expandable_size(self, size: int, addr: int) -> int:
-        b = self._free_blocks[addr]
-        nxt = b.next
-        return size + (nxt.size if nxt is not None and not nxt.mapped else 0)
 
     def _get_free_block(self, pool: str, size: int) -> _Block | None:
         lst = self._free[pool]
@@ -394,12 +267,6 @@ class CachingAllocatorModel:
         self.reserved_bytes += alloc_size
         self.num_device_alloc += 1
         return segment.head
-
-    def _new_segment(self, size: int, pool: str, expandable: bool) -> _Segment:
-        segment = _Segment(self._next_addr, size, pool, expandable)
-        self._next_addr += _round_up(size, ROUND_LARGE)
-        self._segments[segment.addr] = segment
-        return segment
 
     def _should_split(self, block: _Block, size: int) -> bool:
         remaining = block.size - size
@@ -465,104 +332,6 @@ class CachingAllocatorModel:
         for block in list(self._whole_free.values()):
             self._release_segment(block)
 
-    # ---- expandable segments --------------------------------------------------
-
-    def _find_expandable_block(self, pool: str, size: int) -> _Block:
-        """Lowest-address run of free and unmapped blocks with ``size`` bytes of room."""
-
-        def has_room(b: _Block | None) -> bool:
-            room = 0
-            while b is not None and not b.allocated and room < size:
-                room += b.size
-                b = b.next
-            return room >= size
-
-        for addr in sorted(self._unmapped[pool]):
-            c = self._unmapped[pool][addr]
-            if c.prev is not None and c.prev.free:
-                c = c.prev
-            if has_room(c):
-                return c
-        page = self._page(pool)
-        segment = self._new_segment(_round_up(self.device_bytes + self.device_bytes // 8, page), pool, True)
-        self._unmapped[pool][segment.addr] = segment.head
-        return segment.head
-
-    def _map_block(self, block: _Block, size: int) -> _Block | None:
-        """Back the first ``size`` bytes (whole pages) of unmapped ``block`` with memory."""
-        mapped = min(_round_up(size, self._page(block.segment.pool)), block.size)
-        if self.reserved_bytes + mapped > self.device_bytes:
-            return None
-        del self._unmapped[block.segment.pool][block.addr]
-        if mapped < block.size:
-            rest = _Block(block.addr + mapped, block.size - mapped, block.segment, mapped=False)
-            rest.prev, rest.next = block, block.next
-            if block.next is not None:
-                block.next.prev = rest
-            block.next = rest
-            block.size = mapped
-            self._unmapped[block.segment.pool][rest.addr] = rest
-        block.mapped = True
-        for other in (block.prev, block.next):
-            if other is not None and other.free:
-                self._remove_free(other)
-                self._merge(block, other)
-        self._insert_free(block)
-        self.reserved_bytes += mapped
-        self.num_device_alloc += 1
-        return block
-
-    def _try_allocate_expandable_block(self, pool: str, size: int) -> _Block | None:
-        candidate: _Block | None = self._find_expandable_block(pool, size)
-        assert candidate is not None
-        if not candidate.mapped:
-            candidate = self._map_block(candidate, min(candidate.size, size))
-        while candidate is not None and candidate.size < size:
-            nxt = candidate.next
-            assert nxt is not None and not nxt.mapped
-            candidate = self._map_block(nxt, min(size - candidate.size, nxt.size))
-        if candidate is None:
-            return None
-        self._remove_free(candidate)
-        return candidate
-
-    def _unmap_block(self, block: _Block) -> None:
-        """Unmap the whole pages inside free ``block``; release an all-unmapped segment."""
-        segment = block.segment
-        page = self._page(segment.pool)
-        start = segment.addr + _round_up(block.addr - segment.addr, page)
-        end = segment.addr + (block.addr + block.size - segment.addr) // page * page
-        if end <= start:
-            return
-        self._remove_free(block)
-        if start > block.addr:
-            before = _Block(block.addr, start - block.addr, segment)
-            before.prev, before.next = block.prev, block
-            if block.prev is not None:
-                block.prev.next = before
-            else:
-                segment.head = before
-            block.prev = before
-            self._insert_free(before)
-        if end < block.addr + block.size:
-            after = _Block(end, block.addr + block.size - end, segment)
-            after.prev, after.next = block, block.next
-            if block.next is not None:
-                block.next.prev = after
-            block.next = after
-            self._insert_free(after)
-        block.addr, block.size, block.mapped = start, end - start, False
-        for other in (block.prev, block.next):
-            if other is not None and not other.mapped:
-                del self._unmapped[segment.pool][other.addr]
-                self._merge(block, other)
-        self._unmapped[segment.pool][block.addr] = block
-        self.reserved_bytes -= end - start
-        self.num_device_free += 1
-        if block.whole:
-            del self._unmapped[segment.pool][block.addr]
-            del self._segments[segment.addr]
-
     # ---- observation ------------------------------------------------------------
 
     def _record_oom(self, size: int, rounded: int, alloc_size: int, pool: str, tag: str | None) -> None:
@@ -584,188 +353,3 @@ class CachingAllocatorModel:
             "enough_total_free": s["total_free_bytes"] >= size,
             "fragmentation_ratio": s["fragmentation_ratio"],
         })
-
-    def largest_free_block(self) -> int:
-        """Largest cached free block, either pool."""
-        return max((lst[-1][0] for lst in self._free.values() if lst), default=0)
-
-    def _reclaimable_pages(self) -> int:
-        total = 0
-        for block in self._free_blocks.values():
-            seg, page = block.segment, self._page(block.segment.pool)
-            start = _round_up(block.addr - seg.addr, page)
-            end = (block.addr + block.size - seg.addr) // page * page
-            total += max(0, end - start)
-        return total
-
-    def stats(self) -> dict[str, Any]:
-        """Byte counters and both fragmentation ratios.
-
-        ``inactive_bytes`` (= ``external_bytes``) is reserved but not allocated;
-        ``inactive_split_bytes`` the part of it inside segments that also hold
-        allocations (PyTorch's "non-releasable memory"; 0 with expandable segments,
-        as PyTorch counts it). ``internal_bytes`` = allocated − requested: 512 B
-        rounding plus remainders too small to split.
-
-        Free memory is ``total_free_bytes`` = inactive + device memory not
-        reserved. The largest request that could succeed now is
-        ``largest_allocatable`` = max(largest cached free block, what cudaMalloc
-        could get after releasing every whole-free segment, in 2 MiB units).
-        Hence, with the seed's formula "1 − largest allocatable / total free":
-
-        - ``fragmentation_ratio``: over the device, what a process can use;
-        - ``reserved_fragmentation_ratio``: 1 − largest free block / inactive,
-          inside the reserved memory only (memory_summary's view, and the only
-          one a snapshot file allows).
-
-        The largest allocatable ignores the pool split, the segment size a request
-        needs (a 2 MiB request needs a 20 MiB segment) and max_split_size's oversize
-        rules. With expandable segments, ``releasable_bytes`` counts the whole free
-        pages that an OOM retry would unmap and map again where needed.
-        """
-        inactive = self.reserved_bytes - self.allocated_bytes
-        device_free = self.device_bytes - self.reserved_bytes
-        largest = self.largest_free_block()
-        if self.expandable_segments:
-            reclaimable = self._reclaimable_pages()
-            grow = (device_free + reclaimable) // LARGE_BUFFER * LARGE_BUFFER
-            inactive_split = 0
-        else:
-            reclaimable = self.releasable_bytes
-            grow = (device_free + reclaimable) // ROUND_LARGE * ROUND_LARGE
-            inactive_split = inactive - self.releasable_bytes
-        largest_allocatable = max(largest, grow)
-        total_free = inactive + device_free
-        return {
-            "device_bytes": self.device_bytes,
-            "reserved_bytes": self.reserved_bytes,
-            "allocated_bytes": self.allocated_bytes,
-            "active_bytes": self.allocated_bytes,
-            "requested_bytes": self.requested_bytes,
-            "internal_bytes": self.allocated_bytes - self.requested_bytes,
-            "inactive_bytes": inactive,
-            "external_bytes": inactive,
-            "inactive_split_bytes": inactive_split,
-            "releasable_bytes": reclaimable,
-            "device_free_bytes": device_free,
-            "total_free_bytes": total_free,
-            "largest_free_block": largest,
-            "largest_allocatable": largest_allocatable,
-            "fragmentation_ratio": max(0.0, 1 - largest_allocatable / total_free) if total_free else 0.0,
-            "reserved_fragmentation_ratio": 1 - largest / inactive if inactive else 0.0,
-            "num_segments": len(self._segments),
-            "num_free_blocks": len(self._free_blocks),
-            "num_active_blocks": len(self._active),
-            "num_allocs": self.num_allocs,
-            "num_alloc_retries": self.num_alloc_retries,
-            "num_device_alloc": self.num_device_alloc,
-            "num_device_free": self.num_device_free,
-            "num_ooms": len(self.oom_events),
-        }
-
-    def segments(self) -> list[SegmentInfo]:
-        """Every segment with its blocks, by address."""
-        out = []
-        for addr in sorted(self._segments):
-            seg = self._segments[addr]
-            blocks = tuple(
-                BlockInfo(b.addr, b.size, b.requested, _state(b), b.tag) for b in seg.blocks()
-            )
-            out.append(SegmentInfo(seg.addr, seg.size, seg.pool, seg.expandable, blocks))
-        return out
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        """The segments in ``torch.cuda.memory_snapshot()`` form.
-
-        As PyTorch does, an expandable segment is reported as one segment per
-        contiguous mapped range; unmapped address space does not appear.
-        """
-        out: list[dict[str, Any]] = []
-        for addr in sorted(self._segments):
-            seg = self._segments[addr]
-            run: list[_Block] = []
-            for b in [*seg.blocks(), None]:
-                if b is not None and b.mapped:
-                    run.append(b)
-                    continue
-                if run:
-                    out.append(_segment_dict(seg, run))
-                    run = []
-        return out
-
-    def check(self) -> None:
-        """Assert every invariant; cheap enough to call after each operation in tests."""
-        reserved = allocated = requested = releasable = 0
-        free_seen: set[int] = set()
-        unmapped_seen: dict[str, set[int]] = {SMALL: set(), LARGE: set()}
-        for addr, seg in self._segments.items():
-            assert addr == seg.addr and seg.head.prev is None, "segment head"
-            assert seg.pool != SMALL or seg.expandable or seg.size == SMALL_BUFFER, "small segment size"
-            page = self._page(seg.pool)
-            pos, prev = seg.addr, None
-            for b in seg.blocks():
-                assert b.segment is seg and b.prev is prev, "block chain"
-                assert b.addr == pos and b.size > 0, f"blocks must tile segment {seg.addr:#x}"
-                if prev is not None:
-                    assert not (prev.free and b.free), "adjacent free blocks were not merged"
-                    assert prev.mapped or b.mapped, "adjacent unmapped blocks were not merged"
-                if not b.mapped:
-                    assert seg.expandable and not b.allocated, "unmapped block outside expandable segment"
-                    assert (b.addr - seg.addr) % page == 0 and b.size % page == 0, "unmapped not page aligned"
-                    unmapped_seen[seg.pool].add(b.addr)
-                else:
-                    reserved += b.size
-                if b.allocated:
-                    assert self._active.get(b.addr) is b, "allocated block not in the active map"
-                    assert b.requested <= b.size, "requested above block size"
-                    allocated += b.size
-                    requested += b.requested
-                elif b.mapped:
-                    assert self._free_blocks.get(b.addr) is b, "free block not in the free list"
-                    free_seen.add(b.addr)
-                    if b.whole and not seg.expandable:
-                        releasable += b.size
-                pos, prev = pos + b.size, b
-            assert pos == seg.addr + seg.size, f"blocks of segment {seg.addr:#x} do not sum to its size"
-        assert free_seen == set(self._free_blocks), "stale free-list entries"
-        assert len(self._active) == sum(1 for b in self._active.values() if b.allocated), "stale active"
-        for pool in (SMALL, LARGE):
-            lst = self._free[pool]
-            assert lst == sorted(lst), "free list out of order"
-            assert all(self._free_blocks[a].size == s and self._free_blocks[a].segment.pool == pool
-                       for s, a in lst), "free list entry disagrees with its block"
-            assert set(self._unmapped[pool]) == unmapped_seen[pool], "unmapped index"
-        assert len(self._free[SMALL]) + len(self._free[LARGE]) == len(self._free_blocks)
-        assert reserved == self.reserved_bytes, "reserved_bytes"
-        assert allocated == self.allocated_bytes, "allocated_bytes"
-        assert requested == self.requested_bytes, "requested_bytes"
-        assert releasable == self.releasable_bytes, "releasable_bytes"
-        assert self.reserved_bytes <= self.device_bytes, "reserved above device capacity"
-
-
-def _state(b: _Block) -> str:
-    if not b.mapped:
-        return "unmapped"
-    return "active_allocated" if b.allocated else "inactive"
-
-
-def _segment_dict(seg: _Segment, run: list[_Block]) -> dict[str, Any]:
-    blocks = [
-        {"address": b.addr, "size": b.size, "requested_size": b.requested, "state": _state(b), "frames": []}
-        for b in run
-    ]
-    allocated = sum(b.size for b in run if b.allocated)
-    return {
-        "device": 0,
-        "address": run[0].addr,
-        "total_size": sum(b.size for b in run),
-        "allocated_size": allocated,
-        "active_size": allocated,
-        "requested_size": sum(b.requested for b in run if b.allocated),
-        "stream": 0,
-        "segment_type": seg.pool,
-        "segment_pool_id": (0, 0),
-        "is_expandable": seg.expandable,
-        "frames": [],
-        "blocks": blocks,
-    }
