@@ -77,6 +77,7 @@ LABELS: dict[str, str] = {
     "page_kb": "page size (KiB)",
     "num_samples": "parallel samples",
     "beam_width": "beam width",
+    "beam_theta": "beam model θ (next-token concentration)",
     "page_tail_bytes": "bytes lost to page tails",
     "prefix_caching": "prefix caching",
     "num_preemptions": "preemptions",
