@@ -92,7 +92,8 @@ class PagedAllocator:
         if seq_id in seqs:
             raise ValueError(f"sequence {seq_id} is already allocated")
         head = self._head
-        end = head - (-num_slots // self.block_size)
+        block_size = self.block_size
+        end = head - (-num_slots // block_size)
         queue = self._queue
         if end > len(queue) or end <= head:
             if num_slots < 1:
@@ -100,7 +101,7 @@ class PagedAllocator:
             return None
         self._head = end
         # new_block_table(), inlined: this is the hottest line of a paged run.
-        table = _tuple_new(BlockTable, (self.block_size, tuple(queue[head:end])))
+        table = _tuple_new(BlockTable, (block_size, tuple(queue[head:end])))
         seqs[seq_id] = [num_slots, table]
         return table
 
