@@ -239,46 +239,65 @@ class SharingEngine(Engine):
         for seq, score in zip(seqs, self._token_logprobs(1)[0].tolist(), strict=True):
             self._score[seq] = score
 
+    def _prune_and_fork(self, req: int, seqs: list[int], parents: list[int],
+                        kept: list[float]) -> None:
+        """One group's survivors: ``parents[k]`` (an index into ``seqs``) carries on with
+        score ``kept[k]``, best first. A beam with no survivor is freed; one with ``c``
+        keeps the best and forks ``c − 1`` children, in sequence order."""
+        b, alloc, g = self.batch, self.alloc, self.g
+        picked: list[list[float]] = [[] for _ in seqs]
+        for parent, score in zip(parents, kept, strict=True):
+            picked[parent].append(score)
+        rows = np.flatnonzero(b.req[: b.n] == req)
+        rows = rows[np.argsort(b.seq[rows])]
+        final = int(self.final[req])
+        pruned = [i for i in range(len(seqs)) if not picked[i]]
+        for i in pruned:  # pruned first: their blocks come free
+            alloc.free(seqs[i])
+            del self._score[seqs[i]]
+            self._take(req, int(b.owned[rows[i]]), -1)
+        for row, seq, scores in zip(rows.tolist(), seqs, picked, strict=True):
+            if not scores:
+                continue
+            self._score[seq] = scores[0]
+            filled = int(b.offset[row]) + g
+            for child_score in scores[1:]:
+                child = self._next_seq
+                self._next_seq += 1
+                alloc.fork(seq, child, filled)
+                self._score[child] = child_score
+                if self.fork_log is not None:
+                    self.fork_log.append((seq, child, filled))
+                owned = alloc.num_owned(child)
+                self._take(req, owned)
+                b.add(req, filled, g, owned, filled, final, child)
+        b.remove_rows(rows[pruned])
+
     def _beam_step(self) -> None:
         """Prune and fork every beam group by score, then give every beam room for its token."""
-        b, alloc, g, w, score = self.batch, self.alloc, self.g, self.width, self._score
+        b, alloc, g, w = self.batch, self.alloc, self.g, self.width
         if b.n:
-            reqs = np.unique(b.req[: b.n]).tolist()
-            log_p = self._token_logprobs(len(reqs) * w).reshape(len(reqs), w, w)
-            for req, req_log_p in zip(reqs, log_p, strict=True):
-                rows = np.flatnonzero(b.req[: b.n] == req)
-                rows = rows[np.argsort(b.seq[rows])]
-                if len(rows) != w:
-                    raise AssertionError(f"request {req} has {len(rows)} beams, not {w}")
-                seqs = b.seq[rows].tolist()
-                cand = np.array([score[s] for s in seqs])[:, None] + req_log_p
-                best = np.argsort(-cand, axis=None, kind="stable")[:w]
-                picked: list[list[float]] = [[] for _ in range(w)]  # surviving scores by parent
-                for flat in best.tolist():
-                    picked[flat // w].append(float(cand.flat[flat]))
-                top = picked[best[0] // w][0]  # scores stay near 0: only differences matter
-                final = int(self.final[req])
-                pruned = [i for i in range(w) if not picked[i]]
-                for i in pruned:  # pruned first: their blocks come free
-                    alloc.free(seqs[i])
-                    del score[seqs[i]]
-                    self._take(req, int(b.owned[rows[i]]), -1)
-                for i, (row, seq) in enumerate(zip(rows.tolist(), seqs, strict=True)):
-                    if not picked[i]:
-                        continue
-                    score[seq] = picked[i][0] - top
-                    filled = int(b.offset[row]) + g
-                    for child_score in picked[i][1:]:
-                        child = self._next_seq
-                        self._next_seq += 1
-                        alloc.fork(seq, child, filled)
-                        score[child] = child_score - top
-                        if self.fork_log is not None:
-                            self.fork_log.append((seq, child, filled))
-                        owned = alloc.num_owned(child)
-                        self._take(req, owned)
-                        b.add(req, filled, g, owned, filled, final, child)
-                b.remove_rows(rows[pruned])
+            # The candidates of every group at once: rows grouped by request, then by sequence.
+            n = b.n
+            rows = np.lexsort((b.seq[:n], b.req[:n])).reshape(-1, w)
+            reqs = b.req[rows[:, 0]]
+            if n % w or not bool(np.all(b.req[rows] == reqs[:, None])):
+                raise AssertionError(f"beam groups of other than {w} beams: {np.bincount(b.req[:n])}")
+            seqs = b.seq[rows]
+            scores = np.array([self._score[s] for s in seqs.ravel().tolist()]).reshape(-1, w)
+            log_p = self._token_logprobs(len(reqs) * w).reshape(-1, w, w)
+            cand = (scores[:, :, None] + log_p).reshape(-1, w * w)
+            best = np.argsort(-cand, axis=1, kind="stable")[:, :w]
+            parents = best // w
+            kept = np.take_along_axis(cand, best, axis=1)
+            kept -= kept[:, :1]  # scores stay near 0: only differences matter
+            # Each beam's own best token survives and nothing else: scores move, blocks stay.
+            steady = np.all(np.sort(parents, axis=1) == np.arange(w), axis=1)
+            self._score.update(zip(np.take_along_axis(seqs, parents, axis=1)[steady].ravel().tolist(),
+                                   kept[steady].ravel().tolist(), strict=True))
+            for k in np.flatnonzero(~steady).tolist():
+                self._prune_and_fork(int(reqs[k]), seqs[k].tolist(), parents[k].tolist(),
+                                     kept[k].tolist())
         while True:
             n = b.n
             need = np.flatnonzero(b.requested[:n] < b.offset[:n] + g + 1)
