@@ -279,7 +279,8 @@ class SharingEngine(Engine):
         if b.n:
             # The candidates of every group at once: rows grouped by request, then by sequence.
             n = b.n
-            rows = np.lexsort((b.seq[:n], b.req[:n])).reshape(-1, w)
+            order = np.lexsort((b.seq[:n], b.req[:n]))
+            rows = order.reshape(-1, w) if n % w == 0 else order[:, None]
             reqs = b.req[rows[:, 0]]
             if n % w or not bool(np.all(b.req[rows] == reqs[:, None])):
                 raise AssertionError(f"beam groups of other than {w} beams: {np.bincount(b.req[:n])}")
