@@ -258,3 +258,18 @@ y = "mean_runing"
     table = pd.DataFrame({"rate": [1.0], "allocator": ["vllm"], "mean_running": [2.0]})
     with pytest.raises(FragsimError, match=r"t\.toml: figure a\.png: no column 'mean_runing'"):
         draw(study.figures[0], table, None, study)
+
+
+def test_log_axes_label_swept_values_and_one_two_five() -> None:
+    import pandas as pd
+    from matplotlib.figure import Figure
+
+    from fragsim.studies.figures import _log_tick, _log_x
+
+    assert [_log_tick(v) for v in (1, 2, 3, 5, 0.5, 0.03, 5e7, 2e9, 1e3, 0)] == [
+        "1", "2", "", "5", "0.5", "", "50M", "2G", "1k", ""]
+    ax = Figure().subplots()
+    ax.plot([0.01, 0.3, 3.0], [1, 2, 3])
+    _log_x(ax, pd.Series([0.01, 0.3, 3.0, 0.3]))
+    assert ax.get_xscale() == "log"
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0.01", "0.3", "3"]

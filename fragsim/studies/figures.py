@@ -18,6 +18,7 @@ displays them.
 
 from __future__ import annotations
 
+import math
 import os
 import textwrap
 from collections.abc import Sequence
@@ -25,7 +26,9 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, NullFormatter
 
 from fragsim.errors import FragsimError
 from fragsim.report import SPLIT, SPLIT_COLORS, SPLIT_LABELS
@@ -53,6 +56,8 @@ LABELS: dict[str, str] = {
     "throughput_tokens_per_s": "throughput (output tokens/s)",
     "internal_fragmentation_frac": "internal fragmentation (% of KV)",
     "token_states_frac": "token states: KV utilization (%)",
+    "reservation_frac": "reservation (% of KV)",
+    "free_frac": "free (% of KV)",
     "mean_blocks_per_request": "blocks per request (mean)",
     "refusal_rate": "refused (% of requests)",
     "mean_ttft_s": "time to first token, mean (s)",
@@ -199,12 +204,31 @@ def _bar_value(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
+def _log_tick(value: float, _: Any = None) -> str:
+    """``2``, ``0.5``, ``20M``: a log-axis tick whose mantissa is 1, 2 or 5, else no label."""
+    if value <= 0:
+        return ""
+    mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
+    if min(abs(mantissa - m) for m in (1, 2, 5)) > 1e-6:
+        return ""
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:g}{suffix}"
+    return f"{value:g}"
+
+
 def _finish(ax: Any, spec: FigureSpec) -> None:
     if spec.hline is not None:
         ax.axhline(100 * spec.hline if spec.y and spec.y[0] in PERCENT else spec.hline,
                    color="#e53e3e", linestyle="--", linewidth=1)
     if spec.logy:
         ax.set_yscale("log")
+        low, high = ax.get_ylim()
+        if high < 100 * low:  # within two decades: label 1, 2, 5 of each decade, plainly
+            ax.yaxis.set_major_formatter(FuncFormatter(_log_tick))
+            ax.yaxis.set_minor_formatter(FuncFormatter(_log_tick))
+        else:  # decades only
+            ax.yaxis.set_minor_formatter(NullFormatter())
     else:
         ax.ticklabel_format(axis="y", useOffset=False)
     if spec.ymax is not None:
@@ -264,7 +288,7 @@ def _lines(spec: FigureSpec, table: pd.DataFrame) -> Figure:
                     ax.plot(line[spec.x].to_numpy(dtype=np.float64), _values(line, y),
                             markersize=4, linewidth=1.4, **_style(spec.group, g, i))
             if spec.logx:
-                ax.set_xscale("log", base=2)
+                _log_x(ax, table[spec.x])
             _finish(ax, spec)
             if across:
                 title = _label(y) + (f"\n{_panel_title(spec.panels, values)}" if spec.panels else "")
@@ -278,6 +302,16 @@ def _lines(spec: FigureSpec, table: pd.DataFrame) -> Figure:
                 ax.set_xlabel(_label(spec.x), fontsize=9)
     _legend(fig, axes, spec)
     return fig
+
+
+def _log_x(ax: Axes, x: pd.Series) -> None:
+    """A log x axis labelled at the swept values themselves (1, 2, 4 ... or 0.01, 0.03 ...)
+    when there are few enough of them, rather than at powers of the base."""
+    ax.set_xscale("log")
+    values = sorted(set(x.dropna().astype(float).tolist()))
+    if len(values) <= 12:
+        ax.set_xticks(values, [f"{v:g}" for v in values], fontsize=8)
+        ax.minorticks_off()
 
 
 def _bars(spec: FigureSpec, table: pd.DataFrame) -> Figure:
