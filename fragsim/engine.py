@@ -373,17 +373,22 @@ class Engine:
 
     # ---------------------------------------------------------------- one step
 
+    def _rows_needing_room(self) -> np.ndarray:
+        """Decoding rows whose next token does not fit in what they own, in request order."""
+        b = self.batch
+        need = np.flatnonzero(b.offset[: b.n] + (self.g + 1) > b.owned[: b.n])
+        if len(need) > 1:
+            need = need[np.argsort(b.req[need], kind="stable")]
+        return need
+
     def _grow_decoders(self) -> None:
         """Room for this step's token in every decoding sequence (paged: maybe a block)."""
         b = self.batch
         extend, num_owned = self.alloc.extend, self.alloc.num_owned
         while True:
-            n = b.n
-            need = np.flatnonzero(b.offset[:n] + (self.g + 1) > b.owned[:n])
+            need = self._rows_needing_room()
             if len(need) == 0:
                 return
-            if len(need) > 1:
-                need = need[np.argsort(b.req[need], kind="stable")]
             for row, req, seq, offset, owned, requested in zip(
                     need.tolist(), b.req[need].tolist(), b.seq[need].tolist(), b.offset[need].tolist(),
                     b.owned[need].tolist(), b.requested[need].tolist(), strict=True):

@@ -275,7 +275,7 @@ class SharingEngine(Engine):
 
     def _beam_step(self) -> None:
         """Prune and fork every beam group by score, then give every beam room for its token."""
-        b, alloc, g, w = self.batch, self.alloc, self.g, self.width
+        b, w = self.batch, self.width
         if b.n:
             # The candidates of every group at once: rows grouped by request, then by sequence.
             n = b.n
@@ -299,29 +299,17 @@ class SharingEngine(Engine):
             for k in np.flatnonzero(~steady).tolist():
                 self._prune_and_fork(int(reqs[k]), seqs[k].tolist(), parents[k].tolist(),
                                      kept[k].tolist())
-        while True:
-            n = b.n
-            need = np.flatnonzero(b.requested[:n] < b.offset[:n] + g + 1)
-            if len(need) == 0:
-                break
-            need = need[np.lexsort((b.seq[need], b.req[need]))]
-            for row, req, seq, offset, owned in zip(
-                    need.tolist(), b.req[need].tolist(), b.seq[need].tolist(),
-                    b.offset[need].tolist(), b.owned[need].tolist(), strict=True):
-                target = offset + g + 1
-                if alloc.extend(seq, target - int(b.requested[row])):
-                    new_owned = alloc.num_owned(seq)
-                    final = int(self.final[req])
-                    self.owned_total += new_owned - owned
-                    self.internal_total += max(0, new_owned - final) - max(0, owned - final)
-                    b.owned[row] = new_owned
-                    b.requested[row] = target
-                else:
-                    self._preempt_latest()
-                    break
-            else:
-                break
+        super()._grow_decoders()
         self._refresh_shared()
+
+    def _rows_needing_room(self) -> np.ndarray:
+        """Beams extend every step, room or not: a forked beam's shared last block must be
+        copied before it writes (the allocator does that in extend)."""
+        if not self.beam:
+            return super()._rows_needing_room()
+        b = self.batch
+        need = np.flatnonzero(b.requested[: b.n] < b.offset[: b.n] + self.g + 1)
+        return need[np.lexsort((b.seq[need], b.req[need]))]
 
     def _jump(self) -> float:
         if self.beam and self.batch.n:

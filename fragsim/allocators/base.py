@@ -22,7 +22,10 @@ executes the placements they return.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import NamedTuple, Protocol, runtime_checkable
+
+from fragsim.allocators.reservation import check_choice, check_int
 
 
 class Extent(NamedTuple):
@@ -81,6 +84,31 @@ def new_extent(offset: int, length: int) -> Extent:
 def new_block_table(block_size: int, block_ids: tuple[int, ...]) -> BlockTable:
     """``BlockTable(block_size, block_ids)`` for the allocators' hot paths (no validation)."""
     return _tuple_new(BlockTable, (block_size, block_ids))
+
+
+class AllocatorCore:
+    """The contract attributes every allocator sets (see :class:`Allocator`), declared
+    and validated once; each placement adds its own state in its own slots."""
+
+    __slots__ = ("name", "placement_name", "capacity", "reserve", "grows_on_demand", "max_seq_len")
+
+    def _init_contract(self, *, name: str, placement: str, capacity: int, max_seq_len: int,
+                       reserve: str, reserves: Iterable[str], grows_on_demand: bool) -> None:
+        self.name = name
+        self.placement_name = placement
+        self.capacity = capacity
+        self.max_seq_len = check_int("max_seq_len", max_seq_len, 1)
+        self.reserve = check_choice("reserve", reserve, reserves)
+        self.grows_on_demand = grows_on_demand
+
+
+def whole_blocks(capacity: int, block_size: int) -> int:
+    """Blocks of ``block_size`` slots a pool of ``capacity`` slots holds (at least one)."""
+    check_int("capacity", capacity, 1)
+    check_int("block_size", block_size, 1)
+    if capacity < block_size:
+        raise ValueError(f"capacity must be >= block_size={block_size}, got {capacity}")
+    return capacity // block_size
 
 
 @runtime_checkable

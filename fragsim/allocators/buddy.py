@@ -49,19 +49,13 @@ from bisect import bisect_left, insort
 
 from fragsim.allocators.base import Extent, new_extent
 from fragsim.allocators.extents import ExtentBook
-from fragsim.allocators.reservation import UPFRONT_POLICIES, check_choice, check_int
+from fragsim.allocators.reservation import UPFRONT_POLICIES, check_int
 
 
 class BuddyAllocator(ExtentBook):
     """Binary buddy system over ``capacity`` slots (see the module docstring)."""
 
     __slots__ = (
-        "name",
-        "placement_name",
-        "capacity",
-        "reserve",
-        "grows_on_demand",
-        "max_seq_len",
         "min_block",
         "_min_order",
         "_free_lists",
@@ -89,14 +83,11 @@ class BuddyAllocator(ExtentBook):
             raise ValueError(f"capacity must be >= min_block={min_block}, got {capacity}")
         # NOTE: blocks smaller than min_block could never be handed out, so the
         # pool is the capacity rounded down to whole min_blocks (as paged does).
-        self.capacity = capacity - capacity % min_block
+        self._init_contract(name=name, placement="buddy", capacity=capacity - capacity % min_block,
+                            max_seq_len=max_seq_len, reserve=reserve, reserves=UPFRONT_POLICIES,
+                            grows_on_demand=False)
         self.min_block = min_block
         self._min_order = min_block.bit_length() - 1
-        self.max_seq_len = check_int("max_seq_len", max_seq_len, 1)
-        self.reserve = check_choice("reserve", reserve, UPFRONT_POLICIES)
-        self.grows_on_demand = False
-        self.name = name
-        self.placement_name = "buddy"
         top_order = self.capacity.bit_length() - 1
         self._free_lists: list[list[int]] = [[] for _ in range(top_order + 1)]
         self._free_order: dict[int, int] = {}

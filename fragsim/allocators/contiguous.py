@@ -34,12 +34,6 @@ class ContiguousAllocator(ExtentBook):
     """One extent per sequence, first or best fit, holes coalesced on free."""
 
     __slots__ = (
-        "name",
-        "placement_name",
-        "capacity",
-        "reserve",
-        "grows_on_demand",
-        "max_seq_len",
         "fit",
         "_index",
         "_hole_size",
@@ -58,13 +52,10 @@ class ContiguousAllocator(ExtentBook):
         reserve: str = "max",
         name: str = "contiguous",
     ) -> None:
-        self.capacity = check_int("capacity", capacity, 1)
+        self._init_contract(name=name, placement="contiguous",
+                            capacity=check_int("capacity", capacity, 1), max_seq_len=max_seq_len,
+                            reserve=reserve, reserves=UPFRONT_POLICIES, grows_on_demand=False)
         self.fit = check_choice("fit", fit, FITS)
-        self.max_seq_len = check_int("max_seq_len", max_seq_len, 1)
-        self.reserve = check_choice("reserve", reserve, UPFRONT_POLICIES)
-        self.grows_on_demand = False
-        self.name = name
-        self.placement_name = "contiguous"
         self._index = FirstFitIndex() if fit == "first" else BestFitIndex(capacity)
         self._hole_size: dict[int, int] = {0: capacity}
         self._hole_at_end: dict[int, int] = {capacity: 0}

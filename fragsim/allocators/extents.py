@@ -8,10 +8,10 @@ the total still fits the extent reserved at admission.
 
 from __future__ import annotations
 
-from fragsim.allocators.base import Extent
+from fragsim.allocators.base import AllocatorCore, Extent
 
 
-class ExtentBook:
+class ExtentBook(AllocatorCore):
     """Mixin over ``self._extents: dict[seq, Extent]`` and ``self._requested: dict[seq, int]``."""
 
     __slots__ = ()

@@ -29,22 +29,15 @@ GPU side calls every step, costs nothing, and ``free()`` is one dict pop.
 
 from __future__ import annotations
 
-from fragsim.allocators.base import BlockTable, new_block_table
-from fragsim.allocators.reservation import check_choice, check_int
+from fragsim.allocators.base import AllocatorCore, BlockTable, new_block_table, whole_blocks
 
 _tuple_new = tuple.__new__
 
 
-class PagedAllocator:
+class PagedAllocator(AllocatorCore):
     """Fixed-size blocks from a FIFO free list; a block table per sequence."""
 
     __slots__ = (
-        "name",
-        "placement_name",
-        "capacity",
-        "reserve",
-        "grows_on_demand",
-        "max_seq_len",
         "block_size",
         "num_blocks",
         "_queue",
@@ -61,17 +54,11 @@ class PagedAllocator:
         reserve: str = "demand",
         name: str = "paged",
     ) -> None:
-        check_int("capacity", capacity, 1)
-        self.block_size = check_int("block_size", block_size, 1)
-        if capacity < block_size:
-            raise ValueError(f"capacity must be >= block_size={block_size}, got {capacity}")
-        self.num_blocks = capacity // block_size
-        self.capacity = self.num_blocks * block_size
-        self.max_seq_len = check_int("max_seq_len", max_seq_len, 1)
-        self.reserve = check_choice("reserve", reserve, ("demand",))
-        self.grows_on_demand = True
-        self.name = name
-        self.placement_name = "paged"
+        self.num_blocks = whole_blocks(capacity, block_size)
+        self.block_size = block_size
+        self._init_contract(name=name, placement="paged", capacity=self.num_blocks * block_size,
+                            max_seq_len=max_seq_len, reserve=reserve, reserves=("demand",),
+                            grows_on_demand=True)
         self._queue: list[int] = list(range(self.num_blocks))
         self._head = 0  # free blocks are self._queue[self._head:]
         # seq_id -> [requested slots, block table]: one dict, so free() is one pop

@@ -48,11 +48,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 
-from fragsim.allocators.base import BlockTable, new_block_table
-from fragsim.allocators.reservation import check_choice, check_int
+from fragsim.allocators.base import AllocatorCore, BlockTable, new_block_table, whole_blocks
 
 
-class SharedPagedAllocator:
+class SharedPagedAllocator(AllocatorCore):
     """Reference-counted blocks with fork, copy-on-write and a prefix cache."""
 
     def __init__(
@@ -64,18 +63,12 @@ class SharedPagedAllocator:
         reserve: str = "demand",
         name: str = "paged-shared",
     ) -> None:
-        check_int("capacity", capacity, 1)
-        self.block_size = check_int("block_size", block_size, 1)
-        if capacity < block_size:
-            raise ValueError(f"capacity must be >= block_size={block_size}, got {capacity}")
-        self.num_blocks = capacity // block_size
-        self.capacity = self.num_blocks * block_size
-        self.max_seq_len = check_int("max_seq_len", max_seq_len, 1)
-        self.reserve = check_choice("reserve", reserve, ("demand",))
-        self.grows_on_demand = True
-        self.name = name
+        self.num_blocks = whole_blocks(capacity, block_size)
+        self.block_size = block_size
         # "paged": the engine, the metrics and the GPU backend read it as any block table.
-        self.placement_name = "paged"
+        self._init_contract(name=name, placement="paged", capacity=self.num_blocks * block_size,
+                            max_seq_len=max_seq_len, reserve=reserve, reserves=("demand",),
+                            grows_on_demand=True)
         self.log_copies = False
         self.num_evictions = 0
         self._ref = [0] * self.num_blocks

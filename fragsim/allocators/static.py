@@ -24,20 +24,14 @@ from __future__ import annotations
 from heapq import heappop as _heappop
 from heapq import heappush as _heappush
 
-from fragsim.allocators.base import Extent
-from fragsim.allocators.reservation import UPFRONT_POLICIES, check_choice, check_int
+from fragsim.allocators.base import AllocatorCore, Extent
+from fragsim.allocators.reservation import UPFRONT_POLICIES, check_int
 
 
-class StaticAllocator:
+class StaticAllocator(AllocatorCore):
     """``num_entries`` rows of ``max_seq_len`` slots; entry ``i`` starts at ``i * max_seq_len``."""
 
     __slots__ = (
-        "name",
-        "placement_name",
-        "capacity",
-        "reserve",
-        "grows_on_demand",
-        "max_seq_len",
         "max_num_seqs",
         "num_entries",
         "_extents",
@@ -55,17 +49,14 @@ class StaticAllocator:
         reserve: str = "max",
         name: str = "static",
     ) -> None:
-        self.capacity = check_int("capacity", capacity, 1)
-        self.max_seq_len = check_int("max_seq_len", max_seq_len, 1)
+        self._init_contract(name=name, placement="static", capacity=check_int("capacity", capacity, 1),
+                            max_seq_len=max_seq_len, reserve=reserve, reserves=UPFRONT_POLICIES,
+                            grows_on_demand=False)
         rows = capacity // max_seq_len
         if max_num_seqs is not None:
             rows = min(rows, check_int("max_num_seqs", max_num_seqs, 1))
         self.max_num_seqs = max_num_seqs
         self.num_entries = rows
-        self.reserve = check_choice("reserve", reserve, UPFRONT_POLICIES)
-        self.grows_on_demand = False
-        self.name = name
-        self.placement_name = "static"
         # NOTE: one Extent per entry, built once: allocate() hands out the same
         # immutable object every time the entry is reused.
         self._extents = [Extent(i * max_seq_len, max_seq_len) for i in range(rows)]
