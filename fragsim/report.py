@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from fragsim.files import write_atomically
+
 SPLIT = ("token_states", "reservation", "internal_fragmentation", "free")
 SPLIT_LABELS = {"token_states": "token states", "reservation": "reservation",
                 "internal_fragmentation": "internal frag.", "free": "free / external"}
@@ -144,9 +146,7 @@ def _num(value: float, digits: int) -> str:
 # ------------------------------------------------------------------ figures
 
 def _savefig(fig: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=130, bbox_inches="tight")
-    os.replace(tmp, path)
+    write_atomically(path, lambda out: fig.savefig(out, format="png", dpi=130, bbox_inches="tight"))
 
 
 def plot_split_bars(summaries: Sequence[dict[str, Any]], path: Path, title: str | None = None) -> None:

@@ -35,13 +35,13 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from fragsim.errors import FragsimError
+from fragsim.files import write_atomically
 
 MiB = 1 << 20
 ALLOCATED = "active_allocated"
@@ -334,30 +334,3 @@ def plot_segment_map(summary: SnapshotSummary, path: str | os.PathLike[str], tit
     ax.legend(handles=[Patch(color=STATE_COLOURS[s], label=s) for s in (ALLOCATED, PENDING[0], INACTIVE)],
               loc="lower right", fontsize=8)
     write_atomically(path, lambda out: fig.savefig(out, format="png", dpi=110))
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def write_atomically(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]) -> None:
-    """Write via a temporary file in the same directory and rename it over ``path``:
-    a reader never sees half a file."""
-    target = Path(path)
-    directory = target.parent if str(target.parent) else Path(".")
-    if not directory.is_dir():
-        raise FragsimError(f"{target}: cannot write: no directory {directory}")
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            write(out)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the file normal permissions
-        os.replace(tmp, target)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise FragsimError(f"{target}: cannot write: {exc.strerror or exc}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

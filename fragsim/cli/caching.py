@@ -93,8 +93,8 @@ def plot_run(result: Any, path: str | Path) -> None:
     import numpy as np
     from matplotlib.figure import Figure
 
-    from fragsim.caching.snapshot import write_atomically
     from fragsim.caching.workloads import DANGER_RATIO
+    from fragsim.files import write_atomically
 
     ts, ooms, s = result.timeseries, result.ooms, result.summary
     hours = ts["time_s"].to_numpy() / 3600
@@ -144,7 +144,7 @@ def plot_run(result: Any, path: str | Path) -> None:
 
 def _write_outputs(result: Any, out: Path) -> None:
     from fragsim import __version__
-    from fragsim.caching.snapshot import write_atomically
+    from fragsim.files import write_atomically
 
     try:
         out.mkdir(parents=True, exist_ok=True)

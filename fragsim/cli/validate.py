@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fragsim.files import write_atomically
+
 DESCRIPTION = """\
 Replay a slice of a trace with every allocation decision executed on a real KV
 pool (torch tensors on CUDA, or on the CPU through Triton's interpreter), write
@@ -104,9 +106,8 @@ def main(args: argparse.Namespace) -> int:
             _print(report)
     out = Path(args.out) / f"validate-{run_id({'allocators': allocators, **spec.to_dict()})}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(clean_json([r.to_dict() for r in reports]), indent=2) + "\n")
-    os.replace(tmp, out.with_suffix(".json"))
+    text = json.dumps(clean_json([r.to_dict() for r in reports]), indent=2) + "\n"
+    write_atomically(out.with_suffix(".json"), lambda f: f.write(text.encode()))
     failed = [r.allocator for r in reports if not r.ok]
     print(f"report: {out.with_suffix('.json')}", file=sys.stderr)
     if failed:

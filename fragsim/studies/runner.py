@@ -27,17 +27,16 @@ import functools
 import io
 import json
 import math
-import os
-import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import pandas as pd
 
 from fragsim import __version__
+from fragsim.files import write_atomically
 from fragsim.report import dumps
 from fragsim.simulate import RunResult, RunSpec, load_workload, simulate
 from fragsim.studies.grid import Run, expand
@@ -150,10 +149,10 @@ def _is_done(points: Path, run: Run) -> bool:
 
 def _store(points: Path, output: RunOutput) -> None:
     if output.timeseries is not None:
-        _atomic(_ts_path(points, output.run_id),
-                lambda p: to_parquet(output.timeseries, p))  # type: ignore[arg-type]
-    _atomic(_row_path(points, output.run_id),
-            lambda p: p.write_text(json.dumps(output.row, allow_nan=False) + "\n"))
+        write_atomically(_ts_path(points, output.run_id),
+                         lambda f: to_parquet(output.timeseries, f))  # type: ignore[arg-type]
+    row = json.dumps(output.row, allow_nan=False) + "\n"
+    write_atomically(_row_path(points, output.run_id), lambda f: f.write(row.encode()))
 
 
 def _load(points: Path, run: Run) -> RunOutput:
@@ -162,13 +161,6 @@ def _load(points: Path, run: Run) -> RunOutput:
     return RunOutput(run.run_id, row, series)
 
 
-def _atomic(path: Path, write: Callable[[Path], Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- the study
@@ -247,15 +239,17 @@ def write_outputs(result: StudyResult, scale: float, min_requests: int | None,
     folder = result.folder
     assert folder is not None
     study = result.study
-    _atomic(folder / TABLE, lambda p: to_parquet(result.table, p))
+    write_atomically(folder / TABLE, lambda f: to_parquet(result.table, f))
     if result.timeseries is not None:
-        _atomic(folder / TIMESERIES, lambda p: to_parquet(result.timeseries, p))  # type: ignore[arg-type]
+        write_atomically(folder / TIMESERIES,
+                         lambda f: to_parquet(result.timeseries, f))  # type: ignore[arg-type]
     if figures:
         for spec in study.figures:
             path = folder / spec.file
-            _atomic(path, functools.partial(_save_png, draw(spec, result.table, result.timeseries, study)))
+            write_atomically(path, functools.partial(
+                _save_png, draw(spec, result.table, result.timeseries, study)))
             result.figures.append(path)
-    _atomic(folder / "study.toml", lambda p: shutil.copyfile(study.path, p))
+    write_atomically(folder / "study.toml", lambda f: f.write(study.path.read_bytes()))
     manifest = {
         "study": study.name,
         "description": study.description,
@@ -267,11 +261,12 @@ def write_outputs(result: StudyResult, scale: float, min_requests: int | None,
         "figures": [spec.file for spec in study.figures] if figures else [],
         "fragsim_version": __version__,
     }
-    _atomic(folder / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
+    text = json.dumps(manifest, indent=2) + "\n"
+    write_atomically(folder / MANIFEST, lambda f: f.write(text.encode()))
 
 
-def _save_png(fig: Any, path: Path) -> None:
-    fig.savefig(path, dpi=100, bbox_inches="tight", format="png")
+def _save_png(fig: Any, out: IO[bytes]) -> None:
+    fig.savefig(out, dpi=100, bbox_inches="tight", format="png")
 
 
 def command_line(study: Study, scale: float, min_requests: int | None = None,

@@ -35,7 +35,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ import numpy as np
 import pandas as pd
 
 from fragsim.errors import FragsimError
+from fragsim.files import write_atomically
 from fragsim.traces import columns as col
 from fragsim.traces.request import Trace
 
@@ -118,18 +118,7 @@ def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
     frame = trace.to_frame()
     if trace.block_hashes is not None:
         frame["block_hashes"] = [" ".join(map(str, h)) for h in trace.block_hashes]
-    target = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise FragsimError(f"{target}: cannot write: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w", newline="") as out:
-            frame.to_csv(out, index=False)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomically(path, lambda out: frame.to_csv(out, index=False))
 
 
 def _read_head(path: Path, label: str) -> str:

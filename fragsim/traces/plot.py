@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fragsim.errors import FragsimError
+from fragsim.files import write_atomically
 from fragsim.traces.request import Trace
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
 
 MAX_TIME_BINS = 300  # finer bins turn the arrival curve into noise at this figure width
 
@@ -39,7 +38,7 @@ def plot_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
     if timed:
         _arrival_rate(fig.add_subplot(grid[1, :]), trace)
     fig.suptitle(f"{trace.name}: {len(trace):,} requests")
-    _save_atomically(fig, target)
+    write_atomically(target, lambda out: fig.savefig(out, format="png", dpi=120), "the plot")
 
 
 def _length_histogram(ax: Axes, label: str, values: np.ndarray) -> None:
@@ -64,17 +63,3 @@ def _arrival_rate(ax: Axes, trace: Trace) -> None:
     ax.set_xlabel("time since first arrival (s)")
     unit = "per second" if bin_s == 1 else f"per second, {bin_s:g} s bins"
     ax.set_ylabel(f"arrivals {unit}")
-
-
-def _save_atomically(fig: Figure, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            fig.savefig(out, format="png", dpi=120)
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
-        raise FragsimError(f"{path}: cannot write the plot: {exc.strerror or exc}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
