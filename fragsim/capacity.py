@@ -35,8 +35,9 @@ from fragsim.errors import FragsimError
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DEFAULT_BLOCK_SIZE = 16
-# vLLM's chunked-prefill token budget for online serving: the largest batch the
-# activation peak has to cover.
+# The chunked-prefill token budget runs size their activation estimate by when not
+# told (``fragsim capacity`` takes ``vllm serve``'s figure for the card instead:
+# 2,048 on an A100, 8,192 on an H100, 16,384 from 160 GiB).
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
@@ -83,10 +84,15 @@ class CapacityReport:
     static_used_bytes: int | None       # batch × avg_len × kv_bytes_per_token
     paged_concurrency_at_avg_len: int | None  # num_blocks // ceil(avg_len / block_size)
     notes: tuple[str, ...] = ()
+    kv_cache_dtype: str = "auto"
+    # vLLM's hybrid plan (fragsim.vllm_plan.plan_summary): groups, page, blocks.
+    vllm: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["notes"] = list(self.notes)
+        out["paged_block_size"] = self.block_size
+        out.update(out.pop("vllm") or {})
         return out
 
 
@@ -176,6 +182,12 @@ def plan_capacity(
     max_num_batched_tokens: int | None = None,
     activation_bytes: int | None = None,
     avg_len: float | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    prefix_caching: bool = True,
+    seq_len: int | None = None,
+    async_scheduling: bool = True,
+    hybrid_manager: bool | None = None,
+    vllm_block_size: int | None = None,
 ) -> CapacityReport:
     """The KV budget and pool of ``model`` on ``gpu``, and what a static allocator of
     ``batch × max_seq_len`` would reserve.
@@ -191,7 +203,20 @@ def plan_capacity(
         llama-2-7b,  batch 48, 1024   25,769,803,776 B  (25.8 GB)
         llama-2-13b, batch 8,  2048   13,421,772,800 B  (13.4 GB)
         avg_len 180 of 1024           static_utilization 0.17578125 (17.6%)
+
+    Beside these, ``vllm`` holds vLLM's own plan for the model's layer kinds
+    (:func:`fragsim.vllm_plan.plan_vllm`): groups, page size, ``num_gpu_blocks`` for
+    ``kv_cache_memory_bytes`` (default: the budget above), concurrency and, with
+    ``seq_len``, the blocks one sequence holds per group. ``max_num_batched_tokens``
+    defaults to ``vllm serve``'s figure for the card.
     """
+    from fragsim.vllm_plan import (
+        backend_block_size,
+        default_max_num_batched_tokens,
+        plan_summary,
+        plan_vllm,
+    )
+
     if max_seq_len is None:
         max_seq_len = model.max_position_embeddings
     _check_int_option("max_seq_len", "--max-seq-len", max_seq_len, 1)
@@ -202,11 +227,23 @@ def plan_capacity(
         ok = isinstance(avg_len, (int, float)) and not isinstance(avg_len, bool)
         if not ok or not 0 < avg_len <= max_seq_len:
             raise FragsimError(f"avg_len (--avg-len) must be in (0, {max_seq_len}], got {avg_len!r}")
-    tokens = (DEFAULT_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None
+    tokens = (default_max_num_batched_tokens(gpu) if max_num_batched_tokens is None
               else max_num_batched_tokens)
     usable, weights, activation, budget = _budget(
         model, gpu, tp, gpu_memory_utilization, tokens, activation_bytes
     )
+    if kv_cache_memory_bytes is not None:
+        _check_int_option("kv_cache_memory_bytes", "--kv-cache-memory-bytes",
+                          kv_cache_memory_bytes, 1)
+    if seq_len is not None:
+        _check_int_option("seq_len", "--seq-len", seq_len, 1, max_seq_len)
+    plan = plan_vllm(
+        model, gpu, max(0, budget) if kv_cache_memory_bytes is None else kv_cache_memory_bytes,
+        tp=tp, max_model_len=max_seq_len, prefix_caching=prefix_caching,
+        max_num_batched_tokens=tokens, async_scheduling=async_scheduling,
+        block_size=vllm_block_size, hybrid_manager=hybrid_manager)
+    naive_block = vllm_block_size or backend_block_size(model, gpu)
+    vllm = plan_summary(plan, model, tp, seq_len, naive_block)
     per_gpu = model.kv_bytes_per_token_per_gpu(tp)
     kv_heads = model.kv_heads_per_gpu(tp)
     kv_slots = max(0, budget) // per_gpu
@@ -258,4 +295,5 @@ def plan_capacity(
         static_total_bytes_per_gpu=static_total, static_fits=static_fits,
         static_formula=formula, static_utilization=utilization, static_used_bytes=used,
         paged_concurrency_at_avg_len=paged_at_avg, notes=tuple(notes),
+        kv_cache_dtype=model.kv_cache_dtype, vllm=vllm,
     )

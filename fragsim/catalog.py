@@ -24,6 +24,8 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from fragsim.errors import FragsimError
+from fragsim.layers import ATTENTION_KINDS, LayerSpec, check_layers, full
+from fragsim.layers import kv_dtype_bytes as _kv_dtype_bytes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -61,6 +63,14 @@ class ModelConfig:
     heads are cached, which is why Llama-2-70B stores 8/64 of what its width says.
     ``hidden_size`` need not equal ``num_heads × head_dim``. ``gated_mlp`` (SwiGLU:
     gate, up and down projections) matters only to the activation estimate.
+
+    ``layers`` gives each layer's kind (:mod:`fragsim.layers`); empty means what
+    every model was until 2024, ``num_layers`` full-attention layers of
+    ``num_kv_heads × head_dim``. ``kv_cache_dtype`` is vLLM's ``--kv-cache-dtype``
+    (``auto`` caches in the model's dtype, ``fp8`` in one byte).
+    ``checkpoint_bytes`` is the weights' size when it is not ``num_params ×
+    dtype_bytes`` (FP8 or MXFP4 checkpoints). ``architecture`` is the config's
+    ``architectures[0]``, for the few choices vLLM makes by model class.
     """
 
     name: str
@@ -76,6 +86,10 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     source: str = ""
     gated_mlp: bool = True
+    layers: tuple[LayerSpec, ...] = ()
+    kv_cache_dtype: str = "auto"
+    checkpoint_bytes: int | None = None
+    architecture: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -94,14 +108,55 @@ class ModelConfig:
             )
         if not isinstance(self.gated_mlp, bool):
             raise ValueError(f'"gated_mlp" must be true or false, got {self.gated_mlp!r}')
+        if not isinstance(self.layers, tuple):
+            raise ValueError(f'"layers" must be a tuple of LayerSpec, got {type(self.layers).__name__}')
+        if self.layers:
+            check_layers(self.layers)
+            if len(self.layers) != self.num_layers:
+                raise ValueError(f'"layers" must have num_layers = {self.num_layers} entries, '
+                                 f"got {len(self.layers)}")
+        try:
+            _kv_dtype_bytes(self.kv_cache_dtype, self.dtype_bytes)
+        except FragsimError as exc:
+            raise ValueError(str(exc).replace("kv_cache_dtype (--kv-cache-dtype)",
+                                              '"kv_cache_dtype"')) from None
+        if self.checkpoint_bytes is not None:
+            _check_int(self, "checkpoint_bytes", 1)
+
+    @property
+    def layer_specs(self) -> tuple[LayerSpec, ...]:
+        """Every layer's kind; a dense model is ``num_layers`` full-attention layers."""
+        return self.layers or (full(self.num_kv_heads, self.head_dim),) * self.num_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether any layer differs from the dense picture: not full attention, or
+        full attention of other dimensions."""
+        dense = full(self.num_kv_heads, self.head_dim)
+        return any(layer != dense for layer in self.layers)
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        """Bytes of one cached K or V element."""
+        return _kv_dtype_bytes(self.kv_cache_dtype, self.dtype_bytes)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes of one slot: K and V of one token in every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """Bytes of one slot: K and V of one token in every layer.
+
+        For a hybrid model this is the naive every-layer-full-attention figure;
+        :func:`fragsim.vllm_plan.plan_vllm` gives the exact one per layer kind.
+        """
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+    @property
+    def num_attention_layers(self) -> int:
+        return sum(1 for layer in self.layer_specs if layer.kind in ATTENTION_KINDS)
 
     @property
     def weight_bytes(self) -> int:
+        if self.checkpoint_bytes is not None:
+            return self.checkpoint_bytes
         return self.num_params * self.dtype_bytes
 
     def kv_heads_per_gpu(self, tp: int) -> int:
@@ -134,7 +189,7 @@ class ModelConfig:
 
     def kv_bytes_per_token_per_gpu(self, tp: int = 1) -> int:
         """One slot's bytes on one GPU: ``kv_bytes_per_token / tp`` when heads divide."""
-        return 2 * self.num_layers * self.kv_heads_per_gpu(tp) * self.head_dim * self.dtype_bytes
+        return 2 * self.num_layers * self.kv_heads_per_gpu(tp) * self.head_dim * self.kv_dtype_bytes
 
     def flops_per_token(self) -> float:
         """Dense matmul FLOPs to push one token through the model, ``2 × num_params``.
@@ -159,7 +214,11 @@ class ModelConfig:
 class GPUConfig:
     """One accelerator. ``memory_bytes`` is the total the driver reports
     (``nvidia-smi --query-gpu=memory.total``), not the marketing figure: an
-    A100-40GB reports 40960 MiB = 40 GiB, an H100-80GB only 81559 MiB."""
+    A100-40GB reports 40960 MiB = 40 GiB, an H100-80GB only 81559 MiB.
+
+    ``arch`` (``sm80``, ``sm90``, ``sm100``, ``gfx942``, …) picks the attention
+    backends vLLM would run there, which set the default KV block size
+    (:mod:`fragsim.vllm_plan`); empty means vLLM's plain default of 16 tokens."""
 
     name: str
     memory_bytes: int
@@ -167,6 +226,7 @@ class GPUConfig:
     fp16_flops: float
     pcie_bandwidth: float
     source: str = ""
+    arch: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -258,20 +318,37 @@ _MODELS = [
 # Gen5 64 GB/s, half the datasheets' bidirectional figure); swap moves one way.
 _GPUS = [
     GPUConfig("a100-40gb", 40960 * MiB, 1555e9, 312e12, 32e9,
-              source="NVIDIA A100 datasheet (SXM4 40GB): 1,555 GB/s, 312 TFLOPS fp16"),
+              source="NVIDIA A100 datasheet (SXM4 40GB): 1,555 GB/s, 312 TFLOPS fp16", arch="sm80"),
     GPUConfig("a100-80gb", 81920 * MiB, 2039e9, 312e12, 32e9,
-              source="NVIDIA A100 datasheet (SXM4 80GB): 2,039 GB/s, 312 TFLOPS fp16"),
+              source="NVIDIA A100 datasheet (SXM4 80GB): 2,039 GB/s, 312 TFLOPS fp16", arch="sm80"),
     GPUConfig("h100-80gb", 81559 * MiB, 3.35e12, 989.4e12, 64e9,
-              source="NVIDIA H100 datasheet (SXM5): 3.35 TB/s, 1,979 TFLOPS fp16 sparse / 2"),
+              source="NVIDIA H100 datasheet (SXM5): 3.35 TB/s, 1,979 TFLOPS fp16 sparse / 2",
+              arch="sm90"),
     GPUConfig("h200-141gb", 143771 * MiB, 4.8e12, 989.4e12, 64e9,
-              source="NVIDIA H200 datasheet (SXM): 141 GB, 4.8 TB/s, 1,979 TFLOPS fp16 sparse / 2"),
+              source="NVIDIA H200 datasheet (SXM): 141 GB, 4.8 TB/s, 1,979 TFLOPS fp16 sparse / 2",
+              arch="sm90"),
+    # nvidia-smi reports 183,359 MiB of the 192 GB; PCIe Gen5 x16 to the host.
+    GPUConfig("b200", 183359 * MiB, 8e12, 2.25e15, 64e9,
+              source="NVIDIA HGX B200 datasheet: 180 GB usable HBM3e, 8 TB/s, "
+                     "4.5 PFLOPS fp16 sparse / 2", arch="sm100"),
+    # Eight 24 GiB HBM3 stacks; the driver reports the whole 192 GiB.
+    GPUConfig("mi300x", 192 * GiB, 5.3e12, 1307.4e12, 64e9,
+              source="AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, "
+                     "1,307.4 TFLOPS fp16 dense", arch="gfx942"),
     GPUConfig("l4", 23034 * MiB, 300e9, 121e12, 32e9,
-              source="NVIDIA L4 datasheet: 24 GB, 300 GB/s, 242 TFLOPS fp16 sparse / 2"),
+              source="NVIDIA L4 datasheet: 24 GB, 300 GB/s, 242 TFLOPS fp16 sparse / 2",
+              arch="sm89"),
     # fp32 accumulation, as PyTorch's fp16 GEMMs use; GeForce runs it at half the
     # fp16-accumulate rate (330 TFLOPS).
     GPUConfig("rtx-4090", 24564 * MiB, 1008e9, 165.2e12, 32e9,
-              source="NVIDIA Ada whitepaper (RTX 4090): 1,008 GB/s, 165.2 TFLOPS fp16/fp32-acc"),
+              source="NVIDIA Ada whitepaper (RTX 4090): 1,008 GB/s, 165.2 TFLOPS fp16/fp32-acc",
+              arch="sm89"),
 ]
+
+# Models with layer kinds, read from their config.json fields (fragsim/presets.py).
+from fragsim.presets import hf_preset_models  # noqa: E402  (needs ModelConfig above)
+
+_MODELS += hf_preset_models()
 
 MODELS: Mapping[str, ModelConfig] = MappingProxyType({m.name: m for m in _MODELS})
 GPUS: Mapping[str, GPUConfig] = MappingProxyType({g.name: g for g in _GPUS})
@@ -294,9 +371,23 @@ def _lookup(kind: str, option: str, name: str, presets: Mapping[str, _Config],
 
 def get_model(name: str, catalog: str | os.PathLike[str] | None = None) -> ModelConfig:
     """A preset (or, with ``catalog``, a custom entry of that TOML file) by name,
-    case-insensitively."""
+    case-insensitively, or the model of a Hugging Face ``config.json`` (a path to
+    the file or to the folder holding it)."""
+    from fragsim.hfconfig import is_config_path, read_hf_config
+
+    if is_config_path(name):
+        model: ModelConfig = read_hf_config(name)
+        return model
     custom = load_catalog(catalog)[0] if catalog is not None else {}
     return _lookup("model", "--model", name, MODELS, custom)
+
+
+def with_kv_cache_dtype(model: ModelConfig, kv_cache_dtype: str | None) -> ModelConfig:
+    """``model`` caching its KV in ``kv_cache_dtype`` (``None`` or ``auto``: as it is)."""
+    if kv_cache_dtype is None or kv_cache_dtype == "auto":
+        return model
+    _kv_dtype_bytes(kv_cache_dtype, model.dtype_bytes)  # names the option when bad
+    return dataclasses.replace(model, kv_cache_dtype=kv_cache_dtype.strip().lower())
 
 
 def get_gpu(name: str, catalog: str | os.PathLike[str] | None = None) -> GPUConfig:
@@ -314,7 +405,7 @@ def _build(cls: type, table: str, name: str, raw: Any, presets: Mapping[str, Any
             f"{where}: name clashes with a preset; pick another name "
             f'(base = "{name}" starts from the preset)'
         )
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "name"}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("name", "layers")}
     values = dict(raw)
     base_name = values.pop("base", None)
     for key, value in values.items():
@@ -322,7 +413,7 @@ def _build(cls: type, table: str, name: str, raw: Any, presets: Mapping[str, Any
             raise FragsimError(
                 f"{where}: unknown key {key!r}; allowed: base, {', '.join(fields)}"
             )
-        expected = fields[key].type
+        expected = str(fields[key].type).removesuffix(" | None")
         if expected == "float":
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         else:

@@ -47,6 +47,7 @@ class RunSpec:
     gpu: str = "a100-40gb"
     tp: int = 1
     catalog: str | None = None
+    kv_cache_dtype: str = "auto"          # vLLM's --kv-cache-dtype; auto: the model's dtype
     reserve: str | None = None            # override the allocator's reservation policy
     block_size: int = 16
     page_kb: int = 2048                   # vmm physical page (KiB)
@@ -147,9 +148,10 @@ def _with_system_prompt(trace: Any, spec: RunSpec) -> Any:
 
 
 def _model_gpu(spec: RunSpec) -> tuple[Any, Any]:
-    from fragsim.catalog import get_gpu, get_model
+    from fragsim.catalog import get_gpu, get_model, with_kv_cache_dtype
 
-    return get_model(spec.model, catalog=spec.catalog), get_gpu(spec.gpu, catalog=spec.catalog)
+    model = with_kv_cache_dtype(get_model(spec.model, catalog=spec.catalog), spec.kv_cache_dtype)
+    return model, get_gpu(spec.gpu, catalog=spec.catalog)
 
 
 def pool_slots(spec: RunSpec) -> int:
@@ -185,7 +187,7 @@ def make_allocator(name: str, capacity: int, spec: RunSpec) -> Any:
     if placement == "vmm":
         model, _ = _model_gpu(spec)
         # One token of one layer's K (or V) buffer on one GPU: the unit pages are cut into.
-        options["token_bytes"] = model.kv_heads_per_gpu(spec.tp) * model.head_dim * model.dtype_bytes
+        options["token_bytes"] = model.kv_heads_per_gpu(spec.tp) * model.head_dim * model.kv_dtype_bytes
         if name not in PRESETS or spec.page_kb != 2048:
             options["page_bytes"] = spec.page_kb * 1024
     if placement == "contiguous":

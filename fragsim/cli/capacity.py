@@ -23,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "weights/tp − activation peak; slots = budget // KV bytes per token per GPU."
         ),
     )
-    p.add_argument("--model", help="model preset or catalog entry (see --list)")
+    p.add_argument("--model", help="model preset or catalog entry (see --list), or a Hugging Face "
+                                   "config.json (or the folder holding one)")
     p.add_argument("--gpu", help="GPU preset or catalog entry (see --list)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
@@ -33,14 +34,35 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "(default: the model's max_position_embeddings, as vLLM's max_model_len)")
     p.add_argument("--batch", type=int, metavar="B",
                    help="max batch of a static allocator; enables the static figures")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default: the attention backend's on this GPU, "
+                        "usually 16; vLLM raises it for state layers)")
     p.add_argument("--avg-len", type=float, metavar="A",
                    help="average request length in tokens: static utilization = A / L")
     p.add_argument("--max-num-batched-tokens", type=int, metavar="T",
-                   help="tokens in the largest forward pass, sizes the activation estimate "
-                        "(default 2048)")
+                   help="tokens in the largest forward pass: sizes the activation estimate and "
+                        "the tokens in flight (default: vllm serve's for the card: 2048 on "
+                        "A100s, 8192 on H100/H200, 16384 from 160 GiB)")
     p.add_argument("--activation-bytes", type=int, metavar="N",
                    help="use this measured activation peak instead of the estimate")
+    p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="KV cache element type: auto (the model's), fp16, bf16, fp32, fp8, "
+                        "fp8_e4m3, fp8_e5m2 (default auto)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, metavar="N",
+                   help="bytes of KV cache per GPU, as vLLM's option of that name "
+                        "(default: the budget computed from the GPU, weights and activations)")
+    p.add_argument("--seq-len", type=int, metavar="L",
+                   help="show the blocks one sequence holds per KV cache group once it has "
+                        "stored L tokens and computes token L+1")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="plan as vllm serve --no-enable-prefix-caching (state layers then keep "
+                        "one max_model_len block each)")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="one step in flight instead of two (changes the concurrency vLLM logs "
+                        "for sliding and chunked layers)")
+    p.add_argument("--hybrid-chunked", action="store_true",
+                   help="keep the hybrid KV cache manager on for chunked local attention (vLLM: "
+                        "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1)")
     p.add_argument("--catalog", metavar="FILE.toml", help="extra models/GPUs ([models.NAME], [gpus.NAME])")
     p.add_argument("--list", action="store_true", help="list the model and GPU presets and exit")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -98,6 +120,8 @@ def _print_report(console: Any, r: Any, model: Any) -> None:
     from rich.table import Table
 
     dtype = {1: "fp8", 2: "fp16", 4: "fp32"}[model.dtype_bytes]
+    if model.kv_cache_dtype != "auto":
+        dtype += f", KV {model.kv_cache_dtype}"
     t = Table(title=f"{r.model} on {r.gpu}, tp={r.tp}, {dtype}",
               caption=(f"{model.num_layers} layers, {model.num_heads} heads, "
                        f"{model.num_kv_heads} kv heads, head_dim {model.head_dim}, "
@@ -109,7 +133,8 @@ def _print_report(console: Any, r: Any, model: Any) -> None:
     def row(label: str, n: int | None) -> None:
         t.add_row(label, *_byte_cells(n))
 
-    row("KV per token (whole model)", r.kv_bytes_per_token)
+    naive = " (naive: every layer full attention)" if model.is_hybrid else ""
+    row(f"KV per token (whole model){naive}", r.kv_bytes_per_token)
     row(f"KV per token per GPU ({r.num_kv_heads_per_gpu} kv heads)", r.kv_bytes_per_token_per_gpu)
     row(f"KV of one {r.max_seq_len}-token sequence", r.kv_bytes_per_seq)
     t.add_section()
@@ -146,11 +171,74 @@ def _print_report(console: Any, r: Any, model: Any) -> None:
         console.print(f"note: {note}", highlight=False, soft_wrap=True)
 
 
+def _print_plan(console: Any, d: dict[str, Any], model: Any) -> None:
+    """Per layer kind, vLLM's groups and pool, and what a sequence holds."""
+    from rich.table import Table
+
+    kinds = Table(title="KV bytes per token per GPU, by layer kind")
+    kinds.add_column("kind")
+    kinds.add_column("layers", justify="right")
+    kinds.add_column("bytes per token", justify="right")
+    counts: dict[str, int] = {}
+    for layer in model.layer_specs:
+        counts[layer.label()] = counts.get(layer.label(), 0) + 1
+    per_kind = d["bytes_per_token_by_kind"]
+    for label, n in counts.items():
+        kind = label.split()[0]
+        value = f"{per_kind[kind]:,} B" if kind in per_kind else "state"
+        kinds.add_row(label, str(n), value)
+    if d["state_bytes_per_seq"]:
+        kinds.add_row("state per sequence", "", f"{d['state_bytes_per_seq']:,} B")
+    kinds.add_row("naive: every layer full attention", str(model.num_layers),
+                  f"{d['naive_bytes_per_token']:,} B")
+    console.print(kinds)
+
+    t = Table(title=(f"vLLM's KV cache groups ({'hybrid manager' if d['hybrid_kv_cache_manager'] else 'every attention layer as full'}, "
+                     f"prefix caching {'on' if d['prefix_caching'] else 'off'})"))
+    for col in ("group", "kind", "layers", "padding layers", "window", "block size"):
+        t.add_column(col, justify="left" if col == "kind" else "right")
+    if d["blocks_per_seq"] is not None:
+        t.add_column(f"blocks at {d['seq_len']:,} tokens", justify="right")
+    for i, g in enumerate(d["kv_cache_groups"]):
+        row = [str(i), g["kind"], str(g["num_layers"]), str(g["num_padding_layers"]),
+               "" if g["sliding_window"] is None else f"{g['sliding_window']:,}",
+               f"{g['block_size']:,}"]
+        if d["blocks_per_seq"] is not None:
+            row.append(f"{d['blocks_per_seq'][i]['blocks']:,}")
+        t.add_row(*row)
+    console.print(t)
+
+    p = Table(title="vLLM's pool")
+    p.add_column("figure")
+    p.add_column("vLLM (layer kinds)", justify="right")
+    p.add_column("naive (all full)", justify="right")
+    p.add_row("KV cache memory", f"{d['kv_cache_memory_bytes']:,} B", "")
+    p.add_row("page (one block, one layer)", f"{d['page_size_bytes']:,} B", "")
+    p.add_row("bytes per block (all groups)", f"{d['bytes_per_block']:,} B",
+              f"{d['naive_bytes_per_token'] * d['naive_block_size']:,} B")
+    if d["padding_bytes_per_block"]:
+        p.add_row("of it padding", f"{d['padding_bytes_per_block']:,} B", "")
+    p.add_row("num_gpu_blocks", f"{d['num_gpu_blocks']:,}", f"{d['naive_num_gpu_blocks']:,}")
+    p.add_row(f"max concurrency at {d['max_seq_len']:,} tokens", f"{d['max_concurrency']:.2f}x",
+              f"{d['naive_max_concurrency']:.2f}x")
+    p.add_row("GPU KV cache size (tokens, as vLLM logs it)", f"{d['kv_cache_tokens']:,}", "")
+    if d["blocks_per_seq"] is not None:
+        p.add_row(f"bytes one {d['seq_len']:,}-token sequence holds", f"{d['bytes_per_seq']:,} B",
+                  f"{d['seq_len'] * d['naive_bytes_per_token']:,} B")
+    console.print(p)
+    ratio = d["max_concurrency"] / d["naive_max_concurrency"] if d["naive_max_concurrency"] else 0
+    console.print(f"the naive estimate is off by {ratio:.2f}x in concurrency "
+                  f"({d['max_num_batched_tokens']:,} batched tokens, {d['in_flight_tokens']:,} in flight)",
+                  highlight=False, soft_wrap=True)
+    for note in d["vllm_notes"]:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+
+
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from fragsim.capacity import plan_capacity
-    from fragsim.catalog import GPUS, MODELS, get_gpu, get_model, load_catalog
+    from fragsim.catalog import GPUS, MODELS, get_gpu, get_model, load_catalog, with_kv_cache_dtype
 
     custom_models, custom_gpus = load_catalog(args.catalog) if args.catalog else ({}, {})
     # Piped or captured output has no terminal width; 80 columns would wrap the tables.
@@ -164,16 +252,21 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if not args.model or not args.gpu:
         raise FragsimError("--model and --gpu are required (--list shows the choices)")
-    model = get_model(args.model, args.catalog)
+    model = with_kv_cache_dtype(get_model(args.model, args.catalog), args.kv_cache_dtype)
     gpu = get_gpu(args.gpu, args.catalog)
     report = plan_capacity(
         model, gpu, tp=args.tp, gpu_memory_utilization=args.gpu_memory_utilization,
-        max_seq_len=args.max_seq_len, batch=args.batch, block_size=args.block_size,
+        max_seq_len=args.max_seq_len, batch=args.batch,
+        block_size=16 if args.block_size is None else args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         activation_bytes=args.activation_bytes, avg_len=args.avg_len,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes, prefix_caching=args.prefix_caching,
+        seq_len=args.seq_len, async_scheduling=args.async_scheduling,
+        hybrid_manager=True if args.hybrid_chunked else None, vllm_block_size=args.block_size,
     )
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
         _print_report(console, report, model)
+        _print_plan(console, report.to_dict(), model)
     return 0

@@ -64,7 +64,12 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
 
 def add_system_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model, GPU and memory")
-    g.add_argument("--model", default="opt-13b", help="model preset (default: %(default)s)")
+    g.add_argument("--model", default="opt-13b",
+                   help="model preset, or a Hugging Face config.json (or its folder) "
+                        "(default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="KV cache element type: auto (the model's), fp16, bf16, fp32, fp8, "
+                        "fp8_e4m3, fp8_e5m2 (default auto)")
     g.add_argument("--gpu", default="a100-40gb", help="GPU preset (default: %(default)s)")
     g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
     g.add_argument("--catalog", help="TOML file with custom models/GPUs")
@@ -120,6 +125,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
 
     return RunSpec(
         trace=args.trace, model=args.model, gpu=args.gpu, tp=args.tp, catalog=args.catalog,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         reserve=args.reserve, block_size=args.block_size, fit=args.fit,
         max_seq_len=args.max_seq_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -152,6 +158,31 @@ def parse_allocators(text: str) -> list[str]:
     return names
 
 
+def full_attention_note(model: Any, gpu: Any, spec: Any) -> str:
+    """What a run of a hybrid model is: every layer simulated as full attention,
+    beside the pool vLLM would plan for its layer kinds."""
+    from fragsim.capacity import plan_capacity
+    from fragsim.simulate import pool_slots
+
+    kinds = sorted({layer.label() for layer in model.layer_specs})
+    slots = pool_slots(spec)
+    text = (f"{model.name} has {', '.join(kinds)} layers, but this run treats every layer as full "
+            f"attention: {model.kv_bytes_per_token_per_gpu(spec.tp):,} B per token, a pool of "
+            f"{slots:,} slots")
+    try:
+        plan = plan_capacity(model, gpu, tp=spec.tp, max_seq_len=spec.max_seq_len,
+                             gpu_memory_utilization=spec.gpu_memory_utilization,
+                             max_num_batched_tokens=spec.max_num_batched_tokens,
+                             kv_cache_memory_bytes=slots * model.kv_bytes_per_token_per_gpu(spec.tp))
+    except Exception:  # the note must never stop a run
+        return text
+    vllm = plan.to_dict()
+    naive = slots / spec.max_seq_len
+    return (text + f" ({naive:,.1f} requests of {spec.max_seq_len:,} tokens); vLLM's hybrid "
+            f"manager would fit {vllm['max_concurrency']:,.1f} in the same memory "
+            f"(fragsim capacity --model {spec.model} --gpu {spec.gpu} shows its groups)")
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("run", help="replay a trace against allocators (the main job)",
                               description=DESCRIPTION, epilog=EPILOG,
@@ -182,11 +213,14 @@ def main(args: argparse.Namespace) -> int:
     trace = load_workload(spec)
     err = Console(stderr=True)
     from fragsim.capacity import context_note
-    from fragsim.catalog import get_model
+    from fragsim.simulate import _model_gpu
 
-    model = get_model(spec.model, catalog=spec.catalog)
+    model, gpu = _model_gpu(spec)
     if spec.max_seq_len > model.max_position_embeddings:
         print(f"fragsim: warning: {context_note(model, spec.max_seq_len)}", file=sys.stderr)
+    hybrid_note = full_attention_note(model, gpu, spec) if model.is_hybrid else None
+    if hybrid_note:
+        print(f"fragsim: note: {hybrid_note}", file=sys.stderr)
     results = []
     with Progress(TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True,
@@ -238,8 +272,10 @@ def main(args: argparse.Namespace) -> int:
         if s["vmm_tokens_per_page"]:
             notes.append(f"{s['allocator']}: {s['vmm_tokens_per_page']} tokens a page; page tails hold "
                          f"nothing: {s['page_tail_bytes'] / 2**20:,.1f} MiB of the pool")
+    if hybrid_note:
+        notes.insert(0, hybrid_note)
     for note in notes:
-        out.print(f"[dim]{note}[/dim]")
+        out.print(f"[dim]{note}[/dim]", highlight=False)
     if folder is not None:
         out.print(f"results: {folder}")
     return 0

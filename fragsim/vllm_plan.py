@@ -1,0 +1,461 @@
+"""One KV pool for every layer kind, as vLLM 0.33's hybrid KV cache manager plans it.
+
+vLLM gives each layer a spec (full, sliding window, chunked local, MLA, Mamba) and
+turns them into one pool of equal blocks. The steps, in the order vLLM takes them:
+
+1. **Block size.** The attention backend's preferred size on the GPU (16 tokens,
+   except FlashMLA with an fp8 cache on sm90: 64, FlashInfer MLA on sm100: 32,
+   AITER's sink attention on MI300X: 64). With state layers the block grows until
+   one attention page holds a whole state::
+
+       align      = max(16, block_size)            (× lcm with 64 for Gated DeltaNet
+                                                    checkpoints under prefix caching)
+       block_size = align × ceil(state_bytes / (align × attention_bytes_per_token))
+
+   and every state page is padded to that attention page. Without prefix caching
+   a state layer's block spans the whole ``max_model_len``; with it, the block size.
+2. **Groups.** Layers with equal specs form buckets. All equal: one group. Else the
+   page sizes are unified (a smaller attention page scales its block size by the
+   ratio, a state page is padded) and every bucket is cut into groups of
+   ``min(bucket sizes)`` layers (``max`` when that is under 1.5 × min); a short
+   last group is padded with phantom layers::
+
+       gemma-3-27b: 52 sliding + 10 full → 6 sliding groups (9,9,9,9,8,8) + 1 full (10):
+                    every group costs 10 pages a block, 8 pages of padding in all
+
+   Llama 4's chunked layers are treated as full attention: vLLM turns its hybrid
+   manager off for chunked local attention unless told to keep it.
+3. **Pool.** One block is one page in every layer slot of a group::
+
+       bytes_per_block = max over groups of (pages in the group)
+       num_gpu_blocks  = kv_cache_memory_bytes // bytes_per_block   (block 0 is vLLM's null block)
+
+4. **Concurrency** (vLLM's "Maximum concurrency for N tokens per request")::
+
+       blocks a request may need = Σ_groups  full/MLA  ceil(max_model_len / B)
+                                             sliding   ceil(min(W − 1 + in_flight, L_max) / B) + 1
+                                             chunked   ceil(min(C + in_flight, L_max) / B)
+                                             state     1 (no prefix caching), 2 (+1 checkpoint)
+       max_concurrency = num_gpu_blocks / that
+
+   where ``in_flight`` is the batched tokens of the steps in flight (2 × with async
+   scheduling).
+5. **Blocks held** by a sequence that has stored L tokens and computes token L+1
+   (:meth:`VllmPlan.blocks_per_seq`), as ``allocate_slots`` leaves them with no step
+   in flight: full ``ceil((L+1)/B)``; sliding drops ``⌊(L − W + 1)/B⌋`` leading
+   blocks; chunked drops the blocks of finished chunks; state keeps 1 (2 while it
+   copies into a fresh block at a block boundary under prefix caching).
+
+Written from vLLM's design doc and ``vllm/v1/core/kv_cache_planning.py``, read for
+understanding; no vLLM code is used. Pure arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from fragsim.catalog import GPUConfig, ModelConfig
+from fragsim.errors import FragsimError
+from fragsim.layers import STATE_KINDS, LayerSpec
+
+DEFAULT_BLOCK_SIZE = 16
+GiB = 1 << 30
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def default_max_num_batched_tokens(gpu: GPUConfig) -> int:
+    """``vllm serve``'s token budget by card: 16,384 from 160 GiB (B200, MI300X),
+    8,192 from 70 GiB except A100s (H100, H200), else 2,048."""
+    if gpu.memory_bytes >= 160 * GiB:
+        return 16384
+    if gpu.memory_bytes >= 70 * GiB and gpu.arch != "sm80":
+        return 8192
+    return 2048
+
+
+@dataclass(frozen=True)
+class LayerPage:
+    """One layer's KV cache spec as vLLM sees it."""
+
+    kind: str                    # full, sliding, chunked, mla, mamba, linear
+    block_size: int
+    bytes_per_token: int = 0     # attention kinds
+    window: int | None = None
+    chunk: int | None = None
+    state_bytes: int = 0         # state kinds: the real state
+    page_padded: int | None = None
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_padded is not None:
+            return self.page_padded
+        if self.kind in STATE_KINDS:
+            return self.state_bytes
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def real_page_bytes(self) -> int:
+        return self.state_bytes if self.kind in STATE_KINDS else self.bytes_per_token * self.block_size
+
+    @property
+    def base(self) -> str:
+        """vLLM's spec class family: layers of one family can share a group."""
+        return {"mla": "full", "linear": "mamba"}.get(self.kind, self.kind)
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    kind: str
+    layers: tuple[int, ...]           # model layer indices
+    page: LayerPage
+    num_padding_layers: int
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+@dataclass(frozen=True)
+class VllmPlan:
+    """The pool vLLM would build, and what one sequence holds in it."""
+
+    block_size: int                     # attention block size
+    mamba_block_size: int | None
+    groups: tuple[KVGroup, ...]
+    page_size_bytes: int                # one block of one layer (the unified page)
+    bytes_per_block: int                # one block across one layer slot of every group
+    kv_cache_memory_bytes: int
+    num_gpu_blocks: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    in_flight_tokens: int
+    prefix_caching: bool
+    hybrid_manager: bool                # False: every attention layer allocated as full
+    blocks_per_request: int             # Σ over groups of the most a request needs
+    num_prefill_checkpoint_blocks: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.num_gpu_blocks / self.blocks_per_request if self.blocks_per_request else 0.0
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """vLLM's "GPU KV cache size: N tokens": concurrency × max_model_len."""
+        return int(self.max_concurrency * self.max_model_len)
+
+    @property
+    def padding_bytes_per_block(self) -> int:
+        """Bytes of a block that hold nothing: phantom layers and padded state pages."""
+        pad = 0
+        for g in self.groups:
+            pad += g.num_padding_layers * g.page.page_size_bytes
+            pad += g.num_layers * (g.page.page_size_bytes - g.page.real_page_bytes)
+        return pad
+
+    def blocks_per_seq(self, seq_len: int) -> list[int]:
+        """Blocks each group holds for a sequence that has stored ``seq_len`` tokens
+        and computes the next one, as ``allocate_slots`` leaves them."""
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+            raise FragsimError(f"seq_len (--seq-len) must be an integer >= 1, got {seq_len!r}")
+        return [_held(g.page, seq_len, self.max_model_len, self.prefix_caching) for g in self.groups]
+
+
+def _held(page: LayerPage, n_stored: int, max_model_len: int, prefix_caching: bool) -> int:
+    b = page.block_size
+    if page.base == "mamba":
+        # The running state sits in one block; under prefix caching a step that
+        # starts a new block copies the state into it and keeps the old one as the
+        # source until the next step.
+        return 2 if prefix_caching and n_stored % b == 0 else 1
+    need = cdiv(min(n_stored + 1, max_model_len), b)
+    if page.kind == "sliding":
+        assert page.window is not None
+        return need - max(0, n_stored - page.window + 1) // b
+    if page.kind == "chunked":
+        assert page.chunk is not None
+        return need - (n_stored // page.chunk * page.chunk) // b
+    return need
+
+
+def _max_blocks(page: LayerPage, max_model_len: int, in_flight: int, checkpoint: int,
+                prefix_caching: bool) -> int:
+    b = page.block_size
+    if page.base == "mamba":
+        return 2 + checkpoint if prefix_caching else 1
+    if page.kind == "sliding":
+        assert page.window is not None
+        return cdiv(min(page.window - 1 + in_flight, max_model_len), b) + 1
+    if page.kind == "chunked":
+        assert page.chunk is not None
+        return cdiv(min(page.chunk + in_flight, max_model_len), b)
+    return cdiv(max_model_len, b)
+
+
+def backend_block_size(model: ModelConfig, gpu: GPUConfig) -> int:
+    """The block size vLLM's default attention backend prefers on ``gpu``."""
+    kinds = {layer.kind for layer in model.layer_specs}
+    fp8 = model.kv_dtype_bytes == 1
+    if "mla" in kinds:
+        if gpu.arch == "sm90" and fp8:
+            return 64          # FlashMLA
+        if gpu.arch.startswith("sm10"):
+            return 32          # FlashInfer MLA
+    if gpu.arch == "gfx942" and model.architecture.startswith("GptOss"):
+        return 64              # AITER unified attention, the one with sinks
+    if (gpu.arch.startswith("sm10") and model.architecture == "Gemma3ForConditionalGeneration"
+            and model.head_dim == 256):
+        return 64              # Triton/FlashInfer for multimodal prefixes at head 256
+    return DEFAULT_BLOCK_SIZE
+
+
+def _attention_page_per_token(model: ModelConfig, tp: int) -> int:
+    """One token of one attention layer, from the model-wide attention shape."""
+    first = next((la for la in model.layer_specs if la.has_token_kv), None)
+    if first is None:
+        return 0
+    if first.kind == "mla":
+        return first.bytes_per_token(model.kv_dtype_bytes, tp)
+    return 2 * max(1, model.num_kv_heads // tp) * first.head_dim * model.kv_dtype_bytes
+
+
+def _checkpoint_alignment(model: ModelConfig, gpu: GPUConfig, prefix_caching: bool) -> int | None:
+    """Gated DeltaNet exports prefill checkpoints every 64 tokens when its FlashInfer
+    prefill kernel runs (sm90, sm100) under prefix caching; other state layers none."""
+    states = [la for la in model.layer_specs if la.kind in STATE_KINDS]
+    if not prefix_caching or not states:
+        return None
+    if all(la.state is not None and la.state.variant == "gdn" for la in states) and (
+            gpu.arch == "sm90" or gpu.arch.startswith("sm10")):
+        return 64
+    return None
+
+
+def _layer_pages(model: ModelConfig, gpu: GPUConfig, tp: int, prefix_caching: bool,
+                 max_model_len: int, block_size: int | None) -> tuple[list[tuple[int, LayerPage]],
+                                                                      int, int | None, int]:
+    """Every KV-holding layer's page, the attention block size, the state block size
+    and the checkpoint blocks a state layer keeps."""
+    kv = model.kv_dtype_bytes
+    bs = backend_block_size(model, gpu) if block_size is None else block_size
+    states = [la for la in model.layer_specs if la.kind in STATE_KINDS]
+    mamba_block: int | None = None
+    padded: int | None = None
+    checkpoint = 0
+    if states:
+        state_page = max(la.state_bytes(model.dtype_bytes, tp) for la in states)
+        per_token = _attention_page_per_token(model, tp)
+        if per_token:
+            align = max(bs, DEFAULT_BLOCK_SIZE)
+            if any(la.kind == "mla" for la in model.layer_specs):
+                align = max(align, 128)
+            ckpt = _checkpoint_alignment(model, gpu, prefix_caching)
+            if ckpt:
+                align = math.lcm(align, ckpt)
+                checkpoint = 1
+            need = align * cdiv(state_page, align * per_token)
+            need = DEFAULT_BLOCK_SIZE * cdiv(need, DEFAULT_BLOCK_SIZE)
+            bs = max(bs, need)
+            if bs * per_token != state_page:
+                padded = bs * per_token
+        mamba_block = bs if prefix_caching else max_model_len
+    pages = []
+    for i, layer in enumerate(model.layer_specs):
+        if layer.kind == "shared":
+            continue       # reads its target's KV: no spec, no memory
+        pages.append((i, _page_of(layer, model, tp, kv, bs, mamba_block, padded)))
+    return pages, bs, mamba_block, checkpoint
+
+
+def _page_of(layer: LayerSpec, model: ModelConfig, tp: int, kv: int, bs: int,
+             mamba_block: int | None, padded: int | None) -> LayerPage:
+    if layer.kind in STATE_KINDS:
+        assert mamba_block is not None
+        return LayerPage(layer.kind, mamba_block, state_bytes=layer.state_bytes(model.dtype_bytes, tp),
+                         page_padded=padded)
+    return LayerPage(layer.kind, bs, bytes_per_token=layer.bytes_per_token(kv, tp),
+                     window=layer.window, chunk=layer.chunk)
+
+
+def _promote_local(pages: list[tuple[int, LayerPage]]) -> list[tuple[int, LayerPage]]:
+    """With the hybrid manager off, sliding and chunked layers next to full ones are
+    allocated as full attention (their compute keeps its window)."""
+    kinds = {p.kind for _, p in pages}
+    if "full" not in kinds or not kinds & {"sliding", "chunked"}:
+        return pages
+    return [(i, replace(p, kind="full", window=None, chunk=None) if p.kind in ("sliding", "chunked")
+             else p) for i, p in pages]
+
+
+def _unify_pages(pages: list[tuple[int, LayerPage]]) -> list[tuple[int, LayerPage]]:
+    top = max(p.page_size_bytes for _, p in pages)
+    out = []
+    for i, p in pages:
+        size = p.page_size_bytes
+        if size == top:
+            out.append((i, p))
+        elif p.base == "mamba":
+            out.append((i, replace(p, page_padded=top)))
+        elif top % size == 0:
+            out.append((i, replace(p, block_size=p.block_size * (top // size))))
+        elif p.kind != "mla":
+            out.append((i, replace(p, page_padded=top)))
+        else:
+            raise FragsimError(f"layer {i} (MLA): its {size:,} B page does not divide the largest "
+                               f"page ({top:,} B); vLLM cannot put these layers in one pool")
+    return out
+
+
+def _group(pages: list[tuple[int, LayerPage]]) -> list[KVGroup]:
+    specs = {p for _, p in pages}
+    if len(specs) == 1 or (len({p.base for p in specs}) == 1
+                           and len({p.block_size for p in specs}) == 1
+                           and len({p.page_size_bytes for p in specs}) == 1):
+        first = pages[0][1]
+        return [KVGroup(first.kind, tuple(i for i, _ in pages), first, 0)]
+    pages = _unify_pages(pages)
+    buckets: dict[LayerPage, list[int]] = {}
+    for i, p in pages:
+        buckets.setdefault(p, []).append(i)
+    sizes = [len(v) for v in buckets.values()]
+    group_size = min(sizes)
+    if max(sizes) < group_size * 1.5:
+        group_size = max(sizes)
+    groups = []
+    for page, members in buckets.items():
+        n = cdiv(len(members), group_size)
+        for k in range(n):
+            chunk = tuple(members[k::n])
+            groups.append(KVGroup(page.kind, chunk, page, 0))
+    widest = max(g.num_layers for g in groups)
+    return [replace(g, num_padding_layers=widest - g.num_layers) for g in groups]
+
+
+def plan_vllm(
+    model: ModelConfig,
+    gpu: GPUConfig,
+    kv_cache_memory_bytes: int,
+    *,
+    tp: int = 1,
+    max_model_len: int | None = None,
+    prefix_caching: bool = True,
+    max_num_batched_tokens: int | None = None,
+    async_scheduling: bool = True,
+    block_size: int | None = None,
+    hybrid_manager: bool | None = None,
+) -> VllmPlan:
+    """vLLM's KV cache groups, page size, block count and concurrency for ``model``
+    on one ``tp`` rank of ``gpu`` with ``kv_cache_memory_bytes`` for the pool.
+
+    ``hybrid_manager=None`` follows vLLM: on, except for chunked local attention.
+    ``block_size=None`` takes the backend's default (a user's ``--block-size``
+    may still be raised for state layers, as vLLM does).
+    """
+    if not isinstance(kv_cache_memory_bytes, int) or kv_cache_memory_bytes < 0:
+        raise FragsimError("kv_cache_memory_bytes (--kv-cache-memory-bytes) must be an integer "
+                           f">= 0, got {kv_cache_memory_bytes!r}")
+    model.kv_heads_per_gpu(tp)
+    mml = model.max_position_embeddings if max_model_len is None else max_model_len
+    mnbt = default_max_num_batched_tokens(gpu) if max_num_batched_tokens is None \
+        else max_num_batched_tokens
+    in_flight = (2 if async_scheduling else 1) * mnbt
+    notes: list[str] = []
+    pages, bs, mamba_block, checkpoint = _layer_pages(model, gpu, tp, prefix_caching, mml,
+                                                      block_size)
+    if not pages:
+        raise FragsimError(f"{model.name} keeps no KV cache or state; there is no pool to plan")
+    has_chunked = any(p.kind == "chunked" for _, p in pages)
+    if hybrid_manager is None:
+        hybrid_manager = not has_chunked
+        if has_chunked:
+            notes.append("vLLM turns its hybrid KV cache manager off for chunked local attention "
+                         "(VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 keeps it; "
+                         "--hybrid-chunked here): chunked layers hold every token's KV")
+    if not hybrid_manager:
+        if any(p.base == "mamba" for _, p in pages):
+            raise FragsimError(f"{model.name} has state layers, which need vLLM's hybrid KV "
+                               "cache manager; it cannot be turned off")
+        pages = _promote_local(pages)
+    groups = _group(pages)
+    page_size = max(g.page.page_size_bytes for g in groups)
+    bytes_per_block = max((g.num_layers + g.num_padding_layers) * g.page.page_size_bytes
+                          for g in groups)
+    num_blocks = kv_cache_memory_bytes // bytes_per_block
+    per_request = sum(_max_blocks(g.page, mml, in_flight, checkpoint, prefix_caching)
+                      for g in groups)
+    if mamba_block is not None and bs > (block_size or backend_block_size(model, gpu)):
+        notes.append(f"attention blocks grow to {bs:,} tokens so that one attention page holds a "
+                     "whole state")
+    if num_blocks - 1 < per_request:
+        notes.append(f"one {mml:,}-token request needs {per_request:,} blocks but the pool has "
+                     f"{max(0, num_blocks - 1):,} usable: vLLM would refuse to start "
+                     "(lower --max-seq-len or give more memory)")
+    return VllmPlan(
+        block_size=bs, mamba_block_size=mamba_block, groups=tuple(groups),
+        page_size_bytes=page_size, bytes_per_block=bytes_per_block,
+        kv_cache_memory_bytes=kv_cache_memory_bytes, num_gpu_blocks=num_blocks,
+        max_model_len=mml, max_num_batched_tokens=mnbt, in_flight_tokens=in_flight,
+        prefix_caching=prefix_caching, hybrid_manager=hybrid_manager,
+        blocks_per_request=per_request, num_prefill_checkpoint_blocks=checkpoint,
+        notes=tuple(notes),
+    )
+
+
+def bytes_per_token_by_kind(model: ModelConfig, tp: int = 1) -> dict[str, int]:
+    """KV bytes one token costs on one GPU, summed over the layers of each kind."""
+    out: dict[str, int] = {}
+    for layer in model.layer_specs:
+        if layer.has_token_kv:
+            out[layer.kind] = out.get(layer.kind, 0) + layer.bytes_per_token(model.kv_dtype_bytes, tp)
+    return out
+
+
+def state_bytes_per_seq(model: ModelConfig, tp: int = 1) -> int:
+    """Fixed state bytes one sequence holds on one GPU, over all state layers."""
+    return sum(la.state_bytes(model.dtype_bytes, tp) for la in model.layer_specs)
+
+
+def plan_summary(plan: VllmPlan, model: ModelConfig, tp: int, seq_len: int | None,
+                 naive_block_size: int) -> dict[str, Any]:
+    """The figures ``fragsim capacity --json`` carries, under vLLM's names."""
+    naive_block_bytes = model.kv_bytes_per_token_per_gpu(tp) * naive_block_size
+    out: dict[str, Any] = {
+        "num_gpu_blocks": plan.num_gpu_blocks,
+        "block_size": plan.block_size,
+        "mamba_block_size": plan.mamba_block_size,
+        "kv_cache_groups": [
+            {"kind": g.kind, "num_layers": g.num_layers, "num_padding_layers": g.num_padding_layers,
+             "sliding_window": g.page.window, "block_size": g.page.block_size,
+             "layers": list(g.layers)} for g in plan.groups],
+        "page_size_bytes": plan.page_size_bytes,
+        "bytes_per_block": plan.bytes_per_block,
+        "padding_bytes_per_block": plan.padding_bytes_per_block,
+        "kv_cache_memory_bytes": plan.kv_cache_memory_bytes,
+        "max_concurrency": plan.max_concurrency,
+        "kv_cache_tokens": plan.kv_cache_tokens,
+        "blocks_per_request": plan.blocks_per_request,
+        "max_num_batched_tokens": plan.max_num_batched_tokens,
+        "in_flight_tokens": plan.in_flight_tokens,
+        "prefix_caching": plan.prefix_caching,
+        "hybrid_kv_cache_manager": plan.hybrid_manager,
+        "seq_len": seq_len,
+        "blocks_per_seq": None if seq_len is None else [
+            {"kind": g.kind, "blocks": n} for g, n in zip(plan.groups, plan.blocks_per_seq(seq_len), strict=False)],
+        "bytes_per_token_by_kind": bytes_per_token_by_kind(model, tp),
+        "state_bytes_per_seq": state_bytes_per_seq(model, tp),
+        "naive_bytes_per_token": model.kv_bytes_per_token_per_gpu(tp),
+        "naive_block_size": naive_block_size,
+        "naive_num_gpu_blocks": plan.kv_cache_memory_bytes // naive_block_bytes,
+        "naive_max_concurrency": (plan.kv_cache_memory_bytes // naive_block_bytes)
+        / cdiv(plan.max_model_len, naive_block_size),
+        "vllm_notes": list(plan.notes),
+    }
+    if seq_len is not None:
+        out["bytes_per_seq"] = sum(n * (g.num_layers + g.num_padding_layers) * g.page.page_size_bytes
+                                   for g, n in zip(plan.groups, plan.blocks_per_seq(seq_len), strict=False))
+    return out
