@@ -98,13 +98,17 @@ def _print_list(console: Any, models: dict[str, Any], gpus: dict[str, Any]) -> N
 
     mt = Table(title="Models")
     for col in ("name", "layers", "heads", "kv heads", "head dim", "params",
-                "KV/token", "", "max pos"):
-        mt.add_column(col, justify="left" if col == "name" else "right")
+                "KV/token (all full)", "", "max pos", "layer kinds"):
+        mt.add_column(col, justify="left" if col in ("name", "layer kinds") else "right")
     for m in models.values():
         exact, _, binary = _byte_cells(m.kv_bytes_per_token)
+        counts: dict[str, int] = {}
+        for layer in m.layer_specs:
+            counts[layer.label()] = counts.get(layer.label(), 0) + 1
         mt.add_row(m.name, str(m.num_layers), str(m.num_heads), str(m.num_kv_heads),
                    str(m.head_dim), f"{m.num_params / 1e9:.2f}B", exact, binary,
-                   f"{m.max_position_embeddings:,}")
+                   f"{m.max_position_embeddings:,}",
+                   " + ".join(f"{n} {label}" for label, n in counts.items()))
     gt = Table(title="GPUs")
     for col in ("name", "memory", "", "HBM", "fp16 dense", "PCIe"):
         gt.add_column(col, justify="left" if col == "name" else "right")
@@ -242,7 +246,7 @@ def main(args: argparse.Namespace) -> int:
 
     custom_models, custom_gpus = load_catalog(args.catalog) if args.catalog else ({}, {})
     # Piped or captured output has no terminal width; 80 columns would wrap the tables.
-    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 120)
+    console = Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)
     if args.list:
         models, gpus = {**MODELS, **custom_models}, {**GPUS, **custom_gpus}
         if args.json:
