@@ -228,6 +228,14 @@ class LayerSpec:
         return self.kind
 
 
+def count_labels(layers: tuple[LayerSpec, ...]) -> dict[str, int]:
+    """Layers per label (``sliding 128``, ``full``, ...), in order of first appearance."""
+    counts: dict[str, int] = {}
+    for layer in layers:
+        counts[layer.label()] = counts.get(layer.label(), 0) + 1
+    return counts
+
+
 def full(num_kv_heads: int, head_dim: int) -> LayerSpec:
     return LayerSpec("full", num_kv_heads=num_kv_heads, head_dim=head_dim)
 

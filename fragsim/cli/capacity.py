@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from fragsim.errors import FragsimError
+from fragsim.layers import count_labels
 
 HELP = "KV-cache budget, slots and blocks of a model on a GPU; static reservation cost"
 
@@ -102,9 +103,7 @@ def _print_list(console: Any, models: dict[str, Any], gpus: dict[str, Any]) -> N
         mt.add_column(col, justify="left" if col in ("name", "layer kinds") else "right")
     for m in models.values():
         exact, _, binary = _byte_cells(m.kv_bytes_per_token)
-        counts: dict[str, int] = {}
-        for layer in m.layer_specs:
-            counts[layer.label()] = counts.get(layer.label(), 0) + 1
+        counts = count_labels(m.layer_specs)
         mt.add_row(m.name, str(m.num_layers), str(m.num_heads), str(m.num_kv_heads),
                    str(m.head_dim), f"{m.num_params / 1e9:.2f}B", exact, binary,
                    f"{m.max_position_embeddings:,}",
@@ -183,9 +182,7 @@ def _print_plan(console: Any, d: dict[str, Any], model: Any) -> None:
     kinds.add_column("kind")
     kinds.add_column("layers", justify="right")
     kinds.add_column("bytes per token", justify="right")
-    counts: dict[str, int] = {}
-    for layer in model.layer_specs:
-        counts[layer.label()] = counts.get(layer.label(), 0) + 1
+    counts = count_labels(model.layer_specs)
     per_kind = d["bytes_per_token_by_kind"]
     for label, n in counts.items():
         kind = label.split()[0]
