@@ -424,6 +424,7 @@ def plan_summary(plan: VllmPlan, model: ModelConfig, tp: int, seq_len: int | Non
                  naive_block_size: int) -> dict[str, Any]:
     """The figures ``fragsim capacity --json`` carries, under vLLM's names."""
     naive_block_bytes = model.kv_bytes_per_token_per_gpu(tp) * naive_block_size
+    held = None if seq_len is None else plan.blocks_per_seq(seq_len)
     out: dict[str, Any] = {
         "num_gpu_blocks": plan.num_gpu_blocks,
         "block_size": plan.block_size,
@@ -455,7 +456,7 @@ def plan_summary(plan: VllmPlan, model: ModelConfig, tp: int, seq_len: int | Non
         / cdiv(plan.max_model_len, naive_block_size),
         "vllm_notes": list(plan.notes),
     }
-    if seq_len is not None:
+    if held is not None:
         out["bytes_per_seq"] = sum(n * (g.num_layers + g.num_padding_layers) * g.page.page_size_bytes
-                                   for g, n in zip(plan.groups, plan.blocks_per_seq(seq_len), strict=False))
+                                   for g, n in zip(plan.groups, held, strict=True))
     return out
