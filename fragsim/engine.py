@@ -44,6 +44,7 @@ from fragsim import request_batching, stretch
 from fragsim.allocators import Allocator, Extent, reserve_slots
 from fragsim.batch import DecodeBatch
 from fragsim.costmodel import CostModel
+from fragsim.engine_config import EngineConfig
 from fragsim.metrics import Recorder
 
 # Request status codes in the per-request arrays.
@@ -57,84 +58,6 @@ _REFUSAL_COUNTER = {REFUSE_TOO_LONG: "num_refused_too_long", REFUSE_TOO_LARGE: "
                     REFUSE_TIMEOUT: "num_refused_timeout"}
 _BLOCK_COUNTER = {_BLOCK_FRAG: "num_blocked_fragmentation", _BLOCK_CAP: "num_blocked_capacity",
                   _BLOCK_BATCH: "num_blocked_batch_limit"}
-
-BATCHING = ("continuous", "static")
-PREEMPTION = ("recompute", "swap")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Scheduler limits and modes. Validated at construction."""
-
-    max_seq_len: int = 2048
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: max(max_seq_len, 2048), at most 8192
-    batching: str = "continuous"
-    preemption: str = "recompute"
-    swap_space_slots: int = 0
-    swap_bandwidth: float = 25e9         # bytes/s over PCIe
-    kv_bytes_per_token: int = 0          # only for swap transfer times
-    queue_timeout_s: float | None = None
-    truncate_prompts: bool = False
-    exact_steps: bool = False
-    check: bool = False                  # recompute the split from per-sequence state each step
-    timeseries_resolution_s: float | None = 1.0
-    max_jump_steps: int = 4096
-    address_map_interval_s: float | None = None  # sample slot owners this often (figures)
-    address_map_bins: int = 512
-    # Block sharing (fragsim.sharing.SharingEngine runs these; a paged allocator with fork):
-    num_samples: int = 1                 # parallel sampling: sequences decoded per prompt
-    beam_width: int = 1                  # beam search width
-    prefix_caching: bool = False
-    beam_theta: float = 0.1              # next-token concentration θ of the beam model (fragsim.sharing)
-    sharing_seed: int = 0                # which beams survive each step
-
-    def __post_init__(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise ValueError(msg)
-        need(self.max_seq_len >= 1, f"max_seq_len must be >= 1, got {self.max_seq_len}")
-        need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        need(self.batching in BATCHING, f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
-        need(self.preemption in PREEMPTION, f"preemption must be one of {', '.join(PREEMPTION)}, got {self.preemption!r}")
-        need(self.swap_space_slots >= 0, f"swap space must be >= 0, got {self.swap_space_slots}")
-        need(self.swap_bandwidth > 0, f"swap bandwidth must be > 0, got {self.swap_bandwidth}")
-        need(self.queue_timeout_s is None or self.queue_timeout_s > 0,
-             f"queue_timeout must be > 0 seconds, got {self.queue_timeout_s}")
-        need(self.max_jump_steps >= 1, f"max_jump_steps must be >= 1, got {self.max_jump_steps}")
-        need(self.num_samples >= 1, f"num_samples must be >= 1, got {self.num_samples}")
-        need(self.beam_width >= 1, f"beam_width must be >= 1, got {self.beam_width}")
-        need(self.beam_theta > 0, f"beam_theta must be > 0, got {self.beam_theta}")
-        need(self.num_samples == 1 or self.beam_width == 1,
-             f"choose parallel sampling or beam search, got num_samples={self.num_samples} "
-             f"and beam_width={self.beam_width}")
-        need(self.width <= self.max_num_seqs,
-             f"a request decodes {self.width} sequences, more than max_num_seqs ({self.max_num_seqs})")
-        need(not self.sharing or self.batching == "continuous",
-             "block sharing (samples, beams, prefix caching) needs continuous batching")
-        tokens = self.num_batched_tokens
-        need(tokens >= self.max_num_seqs,
-             f"max_num_batched_tokens ({tokens}) must be >= max_num_seqs ({self.max_num_seqs}): "
-             "every running sequence decodes one token per step")
-
-    @property
-    def width(self) -> int:
-        """Sequences each request decodes: its samples or beams (1 without either)."""
-        return max(self.num_samples, self.beam_width)
-
-    @property
-    def sharing(self) -> bool:
-        return self.width > 1 or self.prefix_caching
-
-    @property
-    def num_batched_tokens(self) -> int:
-        """The step's token budget. By default a whole prompt fits one step up to 8,192
-        tokens (vLLM without chunking uses max(max_model_len, 2048)); longer prompts
-        are chunked rather than making one step of a 128K prompt."""
-        if self.max_num_batched_tokens is not None:
-            return self.max_num_batched_tokens
-        return min(max(self.max_seq_len, 2048), 8192)
-
 
 class StepObserver(Protocol):
     """Something that follows the run step by step (the GPU backend, a tracer)."""
@@ -480,14 +403,7 @@ class Engine:
             dt = float(self.cost.decode_step_times(n, np.array([decode_context]))[0])
         else:
             return 0.0
-        token_states = decode_context + sum(p.done for p in self.prefilling)
-        owned = self.owned_total
-        if self.shared_total:
-            token_states -= self._dup_filled()
-            owned -= self.shared_total
-        self.rec.record(self.now, dt, token_states, owned, self.internal_total,
-                        self.alloc.largest_allocatable(), self._num_running(),
-                        len(self.waiting) + len(self.swapped), self.shared_total)
+        self._record_step(dt, decode_context)
         if cfg.check:
             self._check()
         if self.observer is not None:
@@ -500,6 +416,17 @@ class Engine:
         self._quiet = (not self.prefilling and not self._freed
                        and (head_blocked or not self.waiting) and (swapped_blocked or not self.swapped))
         return dt
+
+    def _record_step(self, dt: float, decode_context: int) -> None:
+        """The split held during this step (``decode_context``: tokens the decode rows hold)."""
+        token_states = decode_context + sum(p.done for p in self.prefilling)
+        owned = self.owned_total
+        if self.shared_total:
+            token_states -= self._dup_filled()
+            owned -= self.shared_total
+        self.rec.record(self.now, dt, token_states, owned, self.internal_total,
+                        self.alloc.largest_allocatable(), self._num_running(),
+                        len(self.waiting) + len(self.swapped), self.shared_total)
 
     def _end_step(self) -> None:
         self.g += 1
@@ -549,10 +476,14 @@ class Engine:
         target = float(self.arrival[nxt])
         dt = target - self.now
         if dt > 0:
-            self.rec.record(self.now, dt, 0, self.owned_total, self.internal_total,
-                            self.alloc.largest_allocatable(), 0, len(self.waiting))
+            self._record_idle(dt)
         self.now = target
         return dt
+
+    def _record_idle(self, dt: float) -> None:
+        """The split while nothing runs, until the next arrival."""
+        self.rec.record(self.now, dt, 0, self.owned_total, self.internal_total,
+                        self.alloc.largest_allocatable(), 0, len(self.waiting))
 
     def _process(self, env: simpy.Environment):  # type: ignore[no-untyped-def]
         static = self.cfg.batching == "static"

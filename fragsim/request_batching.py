@@ -9,15 +9,12 @@ seeds' "8 + 8 + 4" is this mode with room for 8.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from fragsim.engine import Engine
+from fragsim.engine_state import EngineState
 
 
-def static_step(engine: Engine) -> float:
+def static_step(engine: EngineState) -> float:
     """Request-level batching: form a batch, or run the current one one step."""
     engine._step_extra = 0.0
     engine._freed = False
@@ -66,7 +63,7 @@ def static_step(engine: Engine) -> float:
         engine.observer.after_step(engine)
     return dt
 
-def static_jump(engine: Engine) -> float:
+def static_jump(engine: EngineState) -> float:
     b, cfg = engine.batch, engine.cfg
     n = b.n
     if not engine._quiet or cfg.exact_steps or n == 0:

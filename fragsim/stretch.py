@@ -19,15 +19,12 @@ whole stretch, its memory split per step from the decode batch's arrays.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
-if TYPE_CHECKING:
-    from fragsim.engine import Engine
+from fragsim.engine_state import EngineState
 
 
-def jump(engine: Engine) -> float:
+def jump(engine: EngineState) -> float:
     """Advance a stretch of uneventful decode steps at once. Returns its duration (0: none)."""
     b, cfg = engine.batch, engine.cfg
     n = b.n
@@ -82,7 +79,7 @@ def jump(engine: Engine) -> float:
         engine._check()
     return float(dts[:k].sum())
 
-def jump_growth(engine: Engine, filled0: np.ndarray, k: int) -> tuple[int, np.ndarray, np.ndarray]:
+def jump_growth(engine: EngineState, filled0: np.ndarray, k: int) -> tuple[int, np.ndarray, np.ndarray]:
     """Paged growth over ``k`` steps: the blocks each step takes, in exact-mode order.
 
     A row needs a new block at the start of step ``j`` when ``filled0 + j + 1`` first
