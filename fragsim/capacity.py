@@ -141,6 +141,27 @@ def context_note(model: ModelConfig, max_seq_len: int) -> str:
             f"{model.max_position_embeddings:,} tokens (simulated as asked)")
 
 
+def kv_budget_bytes(
+    model: ModelConfig,
+    gpu: GPUConfig,
+    *,
+    tp: int = 1,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    max_num_batched_tokens: int | None = None,
+) -> int:
+    """Bytes of the KV pool one GPU holds: what :func:`kv_budget_slots` cuts into slots."""
+    tokens = (DEFAULT_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None
+              else max_num_batched_tokens)
+    usable, weights, activation, budget = _budget(model, gpu, tp, gpu_memory_utilization, tokens, None)
+    if budget <= 0:
+        raise FragsimError(
+            f"no room for the KV cache of {model.name} on {gpu.name} (tp={tp}): "
+            f"{usable:,} B usable − {weights:,} B weights − {activation:,} B activations "
+            f"= {budget:,} B; raise --tp or --gpu-memory-utilization, or pick a larger GPU"
+        )
+    return budget
+
+
 def kv_budget_slots(
     model: ModelConfig,
     gpu: GPUConfig,

@@ -100,6 +100,8 @@ def comparison_table(summaries: Sequence[dict[str, Any]], title: str) -> Any:
         ("token states", "token_states_frac", "pct"),
         ("reserved", "reservation_frac", "pct"),
         ("internal", "internal_fragmentation_frac", "pct"),
+        *([("padding", "padding_frac", "pct"), ("out of window", "out_of_window_frac", "pct")]
+          if any("padding_frac" in s for s in summaries) else []),
         ("free", "free_frac", "pct"),
         ("ext. frag mean/peak", None, "ext"),
         ("running mean/peak", None, "run"),
@@ -110,8 +112,10 @@ def comparison_table(summaries: Sequence[dict[str, Any]], title: str) -> Any:
         ("TTFT s mean/p99", None, "ttft"),
         ("norm. latency s/tok", "mean_normalized_latency_s", "f3"),
     ]
+    widest = max((len(str(s["allocator"])) for s in summaries), default=9)
     for header, _, kind in columns:
-        table.add_column(header, justify="left" if kind == "left" else "right", no_wrap=kind != "left")
+        table.add_column(header, justify="left" if kind == "left" else "right", no_wrap=True,
+                         min_width=widest if kind == "left" else None)
     for s in summaries:
         row = []
         for _, col, kind in columns:
@@ -119,7 +123,7 @@ def comparison_table(summaries: Sequence[dict[str, Any]], title: str) -> Any:
             if kind == "left":
                 row.append(str(s[key]))
             elif kind == "pct":
-                row.append(f"{100 * s[key]:.1f}%")
+                row.append(f"{100 * s[key]:.1f}%" if s.get(key) is not None else "–")
             elif kind == "int":
                 row.append(f"{s[key]:,}")
             elif kind == "f1":
@@ -187,7 +191,7 @@ def plot_split_over_time(results: Sequence[Any], path: Path) -> None:
     fig, axes = plt.subplots(n, 1, figsize=(9, 1.9 * n + 0.6), sharex=True, squeeze=False)
     for ax, r in zip(axes[:, 0], results, strict=True):
         ts: pd.DataFrame = r.timeseries
-        cap = r.summary["capacity_slots"]
+        cap = r.summary["capacity_slots"] or r.summary["kv_pool_bytes"]
         ys = [100 * ts[q].to_numpy() / cap for q in SPLIT]
         ax.stackplot(ts["time_s"], *ys, colors=[SPLIT_COLORS[q] for q in SPLIT],
                      labels=[SPLIT_LABELS[q] for q in SPLIT], step="post")

@@ -57,6 +57,8 @@ class RunSpec:
     max_num_batched_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_slots: int | None = None           # override the pool size
+    kv_cache_memory_bytes: int | None = None  # vLLM's --kv-cache-memory-bytes: the pool in bytes
+    hybrid_chunked: bool = False          # keep vLLM's hybrid manager for chunked local attention
     batching: str = "continuous"
     preemption: str = "recompute"
     swap_space_gb: float = 4.0
@@ -155,16 +157,59 @@ def _model_gpu(spec: RunSpec) -> tuple[Any, Any]:
 
 
 def pool_slots(spec: RunSpec) -> int:
-    """KV pool size: ``--kv-slots`` or the budget vLLM would compute."""
+    """KV pool size: ``--kv-slots``, ``--kv-cache-memory-bytes`` over the bytes of one
+    slot, or the budget vLLM would compute."""
     if spec.kv_slots is not None:
         if spec.kv_slots < 1:
             raise FragsimError(f"--kv-slots must be >= 1, got {spec.kv_slots}")
         return spec.kv_slots
+    if spec.kv_cache_memory_bytes is not None:
+        model, _ = _model_gpu(spec)
+        slots = pool_bytes(spec) // model.kv_bytes_per_token_per_gpu(spec.tp)
+        if slots < 1:
+            raise FragsimError(f"--kv-cache-memory-bytes {spec.kv_cache_memory_bytes:,} holds no "
+                               f"slot of {model.kv_bytes_per_token_per_gpu(spec.tp):,} bytes")
+        return slots
     from fragsim.capacity import kv_budget_slots
 
     model, gpu = _model_gpu(spec)
     return kv_budget_slots(model, gpu, tp=spec.tp, gpu_memory_utilization=spec.gpu_memory_utilization,
                            max_num_batched_tokens=spec.max_num_batched_tokens)
+
+
+def pool_bytes(spec: RunSpec) -> int:
+    """KV pool bytes on one GPU: ``--kv-cache-memory-bytes``, ``--kv-slots`` slots of the
+    model's all-full-attention bytes, or the budget vLLM would compute."""
+    if spec.kv_cache_memory_bytes is not None:
+        if spec.kv_cache_memory_bytes < 1:
+            raise FragsimError(f"--kv-cache-memory-bytes must be >= 1, got {spec.kv_cache_memory_bytes}")
+        return spec.kv_cache_memory_bytes
+    model, gpu = _model_gpu(spec)
+    if spec.kv_slots is not None:
+        return pool_slots(spec) * model.kv_bytes_per_token_per_gpu(spec.tp)
+    from fragsim.capacity import kv_budget_bytes
+
+    return kv_budget_bytes(model, gpu, tp=spec.tp, gpu_memory_utilization=spec.gpu_memory_utilization,
+                           max_num_batched_tokens=spec.max_num_batched_tokens)
+
+
+def is_hybrid_manager(name: str) -> bool:
+    from fragsim.hybrid import MANAGERS
+
+    return name in MANAGERS
+
+
+def make_hybrid_manager(name: str, spec: RunSpec) -> Any:
+    from fragsim.hybrid import create_manager
+
+    model, gpu = _model_gpu(spec)
+    try:
+        return create_manager(name, model, gpu, pool_bytes=pool_bytes(spec), max_seq_len=spec.max_seq_len,
+                              tp=spec.tp, block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
+                              max_num_batched_tokens=spec.max_num_batched_tokens,
+                              hybrid_chunked=spec.hybrid_chunked)
+    except ValueError as exc:
+        raise FragsimError(f"allocator {name!r}: {exc}") from None
 
 
 def make_allocator(name: str, capacity: int, spec: RunSpec) -> Any:
@@ -207,8 +252,9 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
     from fragsim.costmodel import make_cost_model
 
     model, gpu = _model_gpu(spec)
-    capacity = pool_slots(spec)
-    allocator = make_allocator(allocator_name, capacity, spec)
+    hybrid = is_hybrid_manager(allocator_name)
+    allocator = make_hybrid_manager(allocator_name, spec) if hybrid \
+        else make_allocator(allocator_name, pool_slots(spec), spec)
     try:
         cost = make_cost_model(spec.cost_model, model=model, gpu=gpu, tp=spec.tp,
                                step_time=spec.step_time_s)
@@ -225,14 +271,18 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
             swap_bandwidth=gpu.pcie_bandwidth, kv_bytes_per_token=kv_per_gpu,
             queue_timeout_s=spec.queue_timeout_s, truncate_prompts=spec.truncate_prompts,
             exact_steps=spec.exact_steps, check=check, timeseries_resolution_s=resolution,
-            address_map_interval_s=(resolution * 4 if spec.address_map else None),
+            address_map_interval_s=(resolution * 4 if spec.address_map and not hybrid else None),
             num_samples=spec.num_samples, beam_width=spec.beam_width,
             beam_theta=beam_theta(spec), prefix_caching=spec.prefix_caching, sharing_seed=spec.seed,
         )
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
     engine_class: type[Engine] = Engine
-    if config.sharing:
+    if hybrid:
+        from fragsim.hybrid.engine import HybridEngine
+
+        engine_class = HybridEngine
+    elif config.sharing:
         from fragsim.sharing import SharingEngine
 
         engine_class = SharingEngine
@@ -278,10 +328,16 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
         summary[f"{q}_frac"] = means[q] / cap if cap else 0.0
     for q in ("token_states", "reservation", "internal_fragmentation"):
         summary[f"peak_{q}_slots"] = peaks[q]
+    split_rec = getattr(engine, "split_rec", None)
+    if split_rec is not None:
+        # A hybrid manager's pool is bytes, not slots: the byte split replaces the slot keys.
+        summary.update({k: None for k in list(summary) if k.endswith("_slots")})
+        summary.update(capacity_slots=None, capacity_bytes=cap, kv_bytes_per_token=None)
+        summary.update(split_rec.summary())
     summary.update({
         "mean_external_fragmentation_ratio": means["external_fragmentation_ratio"],
         "peak_external_fragmentation_ratio": peaks["external_fragmentation_ratio"],
-        "mean_largest_allocatable_slots": means["largest_allocatable"],
+        "mean_largest_allocatable_slots": means["largest_allocatable"] if split_rec is None else None,
         "mean_running": means["running"],
         "peak_running": peaks["running"],
         "mean_waiting": means["waiting"],
@@ -357,6 +413,10 @@ def simulate(trace: Any, allocator_name: str, spec: RunSpec,
     model, _ = _model_gpu(spec)
     summary, requests = summarize(engine, allocator_name, wall, model.kv_bytes_per_token_per_gpu(spec.tp))
     series = pd.DataFrame(engine.rec.timeseries())
+    split_rec = getattr(engine, "split_rec", None)
+    if split_rec is not None:
+        kinds = pd.DataFrame(split_rec.timeseries())
+        series = series.merge(kinds, on="time_s", how="left") if len(kinds) else series
     return RunResult(allocator_name, summary, requests, series, engine.address_map())
 
 

@@ -23,6 +23,12 @@ EPILOG = """\
 allocators: a placement (static, contiguous, buddy, paged, paged-shared, vmm) or
   a preset: ft-static (static+max), orca-max / orca-pow2 / orca-oracle (buddy +
   that reservation), vllm (paged, 16-token blocks), vattention (vmm, 2 MiB pages).
+  These treat every layer of a hybrid model as full attention.
+hybrid KV managers, which allocate each layer kind as it needs (sliding windows
+  free their old blocks, state layers hold one state): paged-uniform (every
+  layer for every token, the baseline), vllm-hybrid (vLLM 0.33's hybrid KV cache
+  manager), jenga (LCM large pages carved per kind), static-partition (a pool
+  per kind, sized up front). Their split adds padding and out-of-window bytes.
 sharing (paged allocators only): --parallel-samples N and --beam-width W decode
   N (W) sequences per prompt over shared prompt blocks; --prefix-caching reuses
   cached prompt blocks across requests (Mooncake traces carry content hashes;
@@ -33,6 +39,8 @@ examples:
   fragsim run --allocator vllm --trace alpaca-paper --rate 20 --num-requests 2000 --beam-width 4
   fragsim run --trace sharegpt-paper --rate 2 --num-requests 1000
   fragsim run --trace path/to/trace.csv --model llama-2-7b --gpu a100-80gb --json
+  fragsim run --model gpt-oss-120b --gpu h100-80gb --max-seq-len 8192 --num-requests 3000 \
+      --allocator paged-uniform,vllm-hybrid,jenga,static-partition --kv-cache-memory-bytes 8589934592
 """
 
 
@@ -76,6 +84,12 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory the engine may use (default 0.9)")
     g.add_argument("--kv-slots", type=positive_int, help="KV pool size in tokens (overrides the budget)")
+    g.add_argument("--kv-cache-memory-bytes", type=positive_int, metavar="BYTES",
+                   help="KV pool size in bytes on one GPU, as vLLM's option (overrides the budget; "
+                        "dense allocators cut it into slots of every layer's KV)")
+    g.add_argument("--hybrid-chunked", action="store_true",
+                   help="vllm-hybrid: keep the hybrid manager for chunked local attention (Llama 4), "
+                        "as VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 does")
     g = p.add_argument_group("allocator")
     g.add_argument("--allocator", default="ft-static,orca-max,orca-pow2,orca-oracle,vllm",
                    help="comma list of allocators/presets (default: %(default)s)")
@@ -130,6 +144,8 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         max_seq_len=args.max_seq_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_slots=args.kv_slots,
+        kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
+        hybrid_chunked=getattr(args, "hybrid_chunked", False),
         batching=args.batching, preemption=args.preemption, swap_space_gb=args.swap_space_gb,
         queue_timeout_s=args.queue_timeout, truncate_prompts=args.truncate_prompts,
         cost_model=args.cost_model, step_time_s=args.step_time, rate=args.rate,
@@ -149,9 +165,10 @@ def spec_from_args(args: argparse.Namespace) -> Any:
 def parse_allocators(text: str) -> list[str]:
     from fragsim.allocators import PLACEMENTS, PRESETS
     from fragsim.errors import FragsimError
+    from fragsim.hybrid import MANAGERS
 
     names = [n.strip() for n in text.split(",") if n.strip()]
-    known = list(PRESETS) + list(PLACEMENTS)
+    known = list(PRESETS) + list(PLACEMENTS) + list(MANAGERS)
     bad = [n for n in names if n not in known]
     if bad or not names:
         raise FragsimError(f"--allocator: unknown {', '.join(bad) or '(empty)'}; known: {', '.join(known)}")
@@ -218,7 +235,10 @@ def main(args: argparse.Namespace) -> int:
     model, gpu = _model_gpu(spec)
     if spec.max_seq_len > model.max_position_embeddings:
         print(f"fragsim: warning: {context_note(model, spec.max_seq_len)}", file=sys.stderr)
-    hybrid_note = full_attention_note(model, gpu, spec) if model.is_hybrid else None
+    from fragsim.simulate import is_hybrid_manager
+
+    dense_on_hybrid = model.is_hybrid and not all(is_hybrid_manager(a) for a in allocators)
+    hybrid_note = full_attention_note(model, gpu, spec) if dense_on_hybrid else None
     if hybrid_note:
         print(f"fragsim: note: {hybrid_note}", file=sys.stderr)
     results = []
@@ -246,11 +266,13 @@ def main(args: argparse.Namespace) -> int:
         return 0
     out = Console()
     if not out.is_terminal:
-        out = Console(width=200)
-    title = (f"{trace.name}: {len(trace):,} requests on {spec.model} / {spec.gpu} (tp={spec.tp}), "
-             f"KV pool {results[0].summary['capacity_slots']:,} slots")
-    out.print(comparison_table([r.summary for r in results], title))
+        # the hybrid managers' split has two more columns
+        out = Console(width=240 if any("padding_frac" in r.summary for r in results) else 200)
     s0 = results[0].summary
+    pool = (f"KV pool {s0['capacity_slots']:,} slots" if s0["capacity_slots"] is not None
+            else f"KV pool {s0['kv_pool_bytes'] / 2**30:,.2f} GiB")
+    title = f"{trace.name}: {len(trace):,} requests on {spec.model} / {spec.gpu} (tp={spec.tp}), {pool}"
+    out.print(comparison_table([r.summary for r in results], title))
     notes = []
     if s0["num_refused_too_long"]:
         notes.append(f"{s0['num_refused_too_long']:,} requests longer than --max-seq-len "
@@ -272,6 +294,17 @@ def main(args: argparse.Namespace) -> int:
         if s["vmm_tokens_per_page"]:
             notes.append(f"{s['allocator']}: {s['vmm_tokens_per_page']} tokens a page; page tails hold "
                          f"nothing: {s['page_tail_bytes'] / 2**20:,.1f} MiB of the pool")
+    if any(r.summary.get("by_kind") for r in results):
+        notes.append("hybrid managers: internal = block tails; padding = phantom layers and padded "
+                     "pages; out of window = blocks a sliding or chunked layer holds but never reads "
+                     "again; by kind in --json (by_kind) and with --plot")
+        for r in results:
+            by_kind = r.summary.get("by_kind")
+            if by_kind:
+                parts = [f"{kind} {100 * v['pool_frac']:.1f}% of the pool "
+                         f"({100 * v['token_states_frac_of_held']:.0f}% of it token states)"
+                         for kind, v in by_kind.items() if kind != "pool"]
+                notes.append(f"{r.allocator}: " + "; ".join(parts))
     if hybrid_note:
         notes.insert(0, hybrid_note)
     for note in notes:

@@ -1,0 +1,84 @@
+"""KV managers for models whose layers differ: one pool, many layer kinds.
+
+    >>> from fragsim.catalog import get_model, get_gpu
+    >>> from fragsim.hybrid import create_manager
+    >>> m = create_manager("vllm-hybrid", get_model("gpt-oss-20b"), get_gpu("h100-80gb"),
+    ...                    pool_bytes=20 << 30, max_seq_len=8192)
+    >>> [r.label for r in m.rows]
+    ['sliding 128', 'full']
+
+``paged-uniform`` allocates every layer for every token (engines before hybrid
+support); ``vllm-hybrid`` is vLLM 0.33's hybrid KV cache manager; ``jenga`` is
+Jenga's two-level allocator; ``static-partition`` gives each kind its own pool.
+:mod:`fragsim.hybrid.base` defines the rows and the byte split they share.
+"""
+
+from __future__ import annotations
+
+from fragsim.catalog import GPUConfig, ModelConfig
+from fragsim.hybrid.base import CATEGORIES, POOL, HybridManager, Row
+from fragsim.hybrid.jenga import JengaManager
+from fragsim.hybrid.paged_uniform import PagedUniformManager
+from fragsim.hybrid.static_partition import StaticPartitionManager
+from fragsim.hybrid.vllm_hybrid import VllmHybridManager
+from fragsim.layers import STATE_KINDS
+
+MANAGERS = ("paged-uniform", "vllm-hybrid", "jenga", "static-partition")
+
+__all__ = ["CATEGORIES", "MANAGERS", "POOL", "HybridManager", "JengaManager", "PagedUniformManager",
+           "Row", "StaticPartitionManager", "VllmHybridManager", "create_manager", "kind_rows"]
+
+
+def kind_rows(model: ModelConfig, *, tp: int = 1, block_size: int = 16,
+              frees_window: bool = True) -> tuple[Row, ...]:
+    """One row per layer kind (sliding windows and chunk sizes apart), in order of
+    first appearance; a block is ``block_size`` tokens of the row's layers, a
+    state row's block one sequence's states."""
+    groups: dict[str, list] = {}
+    for layer in model.layer_specs:
+        if layer.kind == "shared":
+            continue
+        groups.setdefault(layer.label(), []).append(layer)
+    rows = []
+    for label, layers in groups.items():
+        first = layers[0]
+        if first.kind in STATE_KINDS:
+            state = sum(la.state_bytes(model.dtype_bytes, tp) for la in layers)
+            rows.append(Row(kind=first.kind, label=label, num_layers=len(layers),
+                            block_bytes=state, state_bytes=state))
+        else:
+            per_token = sum(la.bytes_per_token(model.kv_dtype_bytes, tp) for la in layers)
+            rows.append(Row(kind=first.kind, label=label, num_layers=len(layers),
+                            block_bytes=block_size * per_token, block_tokens=block_size,
+                            token_bytes=per_token, window=first.window, chunk=first.chunk,
+                            frees_window=frees_window))
+    return tuple(rows)
+
+
+def create_manager(name: str, model: ModelConfig, gpu: GPUConfig, *, pool_bytes: int,
+                   max_seq_len: int, tp: int = 1, block_size: int | None = None,
+                   max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                   hybrid_chunked: bool = False) -> HybridManager:
+    """The manager ``name`` over ``pool_bytes`` of KV memory on one ``tp`` rank.
+
+    ``block_size`` is the attention block in tokens (None: 16, and vLLM's backend
+    default for ``vllm-hybrid``, which vLLM may inflate for state layers).
+    """
+    if name not in MANAGERS:
+        raise ValueError(f"unknown hybrid KV manager {name!r}; choose from {', '.join(MANAGERS)}")
+    if name == "vllm-hybrid":
+        from fragsim.vllm_plan import plan_vllm
+
+        plan = plan_vllm(model, gpu, pool_bytes, tp=tp, max_model_len=max_seq_len,
+                         prefix_caching=False, max_num_batched_tokens=max_num_batched_tokens,
+                         block_size=block_size, hybrid_manager=True if hybrid_chunked else None)
+        return VllmHybridManager(plan, max_seq_len=max_seq_len)
+    bs = 16 if block_size is None else block_size
+    if name == "paged-uniform":
+        return PagedUniformManager(kind_rows(model, tp=tp, block_size=bs, frees_window=False),
+                                   pool_bytes, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs)
+    rows = kind_rows(model, tp=tp, block_size=bs)
+    if name == "jenga":
+        return JengaManager(rows, pool_bytes, max_seq_len=max_seq_len)
+    # Prompts are placed whole at admission, so a step computes up to a whole prompt.
+    return StaticPartitionManager(rows, pool_bytes, max_seq_len=max_seq_len, step_tokens=max_seq_len)

@@ -1,0 +1,489 @@
+"""The contract of the hybrid KV managers, and where every byte of their pool goes.
+
+A hybrid model's layers come in kinds (:mod:`fragsim.layers`): full attention and
+MLA keep every token, sliding-window and chunked-local layers need only their
+window, state layers (Mamba, linear attention) one fixed state per sequence. A
+KV manager shares one pool among all of them; the managers differ in how they cut
+it (:mod:`fragsim.hybrid.vllm_hybrid`, :mod:`~fragsim.hybrid.jenga`,
+:mod:`~fragsim.hybrid.static_partition`, :mod:`~fragsim.hybrid.paged_uniform`).
+
+Rows and blocks
+---------------
+A manager's memory is described by *rows*: one row is a set of layers that
+allocate together (one of vLLM's KV cache groups, one of Jenga's layer types).
+For each live sequence a row holds the blocks ``[lo, hi)`` of its token
+positions, ``block_tokens`` positions a block (a state row: one block, its
+state). With ``q`` tokens requested and ``f`` of them computed::
+
+    hi = ceil(q / block_tokens)
+    lo = 0                                   full attention, MLA, or no window freeing
+         max(0, f − W + 1) // block_tokens   sliding window W: blocks wholly before
+                                             the window are freed (vLLM's skipped blocks)
+         (f // C · C) // block_tokens        chunked local attention, chunk C
+
+Where the bytes go
+------------------
+Per row, with ``F`` the sequence's final length, and ``s(f)`` the first position the
+next token reads (0; ``f − W + 1``; ``f // C · C``), the held positions
+``[lo·B, hi·B)`` split into::
+
+    out_of_window           [lo·B, s(f))     stored, held, never read again
+    token_states            [max(s, lo·B), f) stored and read again
+    reservation             [f, min(hi·B, F)) held, filled later
+    internal_fragmentation  [max(F, lo·B), hi·B) the block tail it never fills
+
+(each in tokens × the row's bytes per token; a state row's whole state is token
+states), and each block adds ``padding``: the bytes of its page that hold none of
+the row's real layers (vLLM's phantom layers and padded state pages, Jenga's
+padding up to its page sizes). Free memory is per row where a row owns it (a
+static partition, Jenga's partly used large pages) and in the ``pool`` row where
+any row may take it; the pool row also holds padding no row owns (vLLM's null
+block, the remainder of the memory that makes no whole block). At every instant::
+
+    Σ over rows and categories == kv_pool_bytes                    (exact, always)
+
+The manager keeps the sums that change only when blocks move (blocks held, the
+``lo·B`` floor, the tails) incrementally; the engine supplies the computed
+lengths, and only the out-of-window term is summed over sequences per step.
+
+The engine-facing interface is the :class:`~fragsim.allocators.Allocator`
+protocol in token units (``allocate(seq, tokens)``, ``extend``, ``free``), so the
+serving engine drives a hybrid manager as it drives a paged allocator; sizes it
+reports (``capacity``, ``num_free``, ``rounded``) are bytes. ``num_owned(seq)`` is
+the engine's growth threshold: the largest requested length that changes no
+block, so a sequence meets the manager exactly when a block is taken or freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fragsim.layers import STATE_KINDS
+
+#: where every byte of the pool goes, in this order in every array
+CATEGORIES = ("token_states", "reservation", "internal_fragmentation", "padding",
+              "out_of_window", "free")
+TOKEN, RESERVATION, INTERNAL, PADDING, OUT_OF_WINDOW, FREE = range(len(CATEGORIES))
+#: the row label of memory no single row owns
+POOL = "pool"
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Row:
+    """Layers that allocate together, and what one of their blocks costs."""
+
+    kind: str                  # full, sliding, chunked, mla, mamba, linear
+    label: str                 # "sliding 128 (group 2)", ...
+    num_layers: int
+    block_bytes: int           # one block's bytes in the pool, padding included
+    block_tokens: int = 0      # attention: positions per block
+    token_bytes: int = 0       # attention: KV bytes one position costs the row's real layers
+    state_bytes: int = 0       # state: the real state bytes of one sequence
+    window: int | None = None
+    chunk: int | None = None
+    frees_window: bool = True  # False: blocks out of the window stay held (paged-uniform)
+
+    def __post_init__(self) -> None:
+        real = self.state_bytes if self.is_state else self.block_tokens * self.token_bytes
+        if self.block_bytes < real or (not self.is_state and self.block_tokens < 1):
+            raise ValueError(f"row {self.label!r}: a block of {self.block_bytes} bytes cannot hold "
+                             f"{real} bytes of real KV or state")
+
+    @property
+    def is_state(self) -> bool:
+        return self.kind in STATE_KINDS
+
+    @property
+    def windowed(self) -> bool:
+        return self.kind in ("sliding", "chunked")
+
+    @property
+    def padding_per_block(self) -> int:
+        real = self.state_bytes if self.is_state else self.block_tokens * self.token_bytes
+        return self.block_bytes - real
+
+    def lo_blocks(self, computed: int) -> int:
+        """Leading blocks freed once ``computed`` tokens are computed."""
+        if not self.frees_window or computed <= 0:
+            return 0
+        if self.kind == "sliding":
+            assert self.window is not None
+            return max(0, computed - self.window + 1) // self.block_tokens
+        if self.kind == "chunked":
+            assert self.chunk is not None
+            return (computed // self.chunk * self.chunk) // self.block_tokens
+        return 0
+
+    def next_free_at(self, lo: int) -> int | None:
+        """The computed length at which block ``lo`` falls out of the window (None: never)."""
+        if not self.frees_window:
+            return None
+        if self.kind == "sliding":
+            assert self.window is not None
+            return (lo + 1) * self.block_tokens + self.window - 1
+        if self.kind == "chunked":
+            assert self.chunk is not None
+            return cdiv((lo + 1) * self.block_tokens, self.chunk) * self.chunk
+        return None
+
+    def window_start(self, computed: np.ndarray) -> np.ndarray:
+        """First position the next token reads, per sequence (0 without a window)."""
+        if self.kind == "sliding":
+            assert self.window is not None
+            return np.maximum(0, computed - self.window + 1)
+        if self.kind == "chunked":
+            assert self.chunk is not None
+            return computed // self.chunk * self.chunk
+        return np.zeros_like(computed)
+
+
+class HybridManager:
+    """Blocks per row per sequence, and the byte split; subclasses own the pool.
+
+    A subclass sets ``rows``, ``capacity`` (pool bytes) and implements
+    ``_place(seq, frees, takes)`` (free each row's leading ``frees[r]`` blocks, take
+    ``takes[r]`` more, all or nothing), ``_release(seq)``, ``_free_bytes()`` (free
+    bytes per row, then the pool's), ``_fixed_padding()``, ``_can_take(takes)``,
+    ``_fits_empty(takes)``, ``_block_ids(seq, row)`` and ``_check_pool()``.
+    """
+
+    reserve = "demand"
+    grows_on_demand = True
+
+    def __init__(self, *, name: str, placement: str, rows: tuple[Row, ...], capacity: int,
+                 max_seq_len: int) -> None:
+        if not rows:
+            raise ValueError("a hybrid KV manager needs at least one row of layers")
+        self.name = name
+        self.placement_name = placement
+        self.rows = rows
+        self.capacity = int(capacity)
+        self.max_seq_len = max_seq_len
+        attention = [r.block_tokens for r in rows if not r.is_state]
+        #: positions per block of the attention rows (the engine's growth unit)
+        self.block_size = min(attention) if attention else max_seq_len
+        self._finals: np.ndarray | None = None
+        self._live: dict[int, None] = {}
+        self._q = np.zeros(0, dtype=np.int64)
+        self._f = np.zeros(0, dtype=np.int64)          # computed at its last allocate/extend
+        self._lo = np.zeros((len(rows), 0), dtype=np.int64)
+        self._hi = np.zeros((len(rows), 0), dtype=np.int64)
+        self.held_blocks = [0] * len(rows)             # Σ (hi − lo) over live sequences
+        self._floor = [0] * len(rows)                  # Σ lo · B
+        self._tail = [0] * len(rows)                   # Σ internal-fragmentation positions
+        self._windowed = [i for i, r in enumerate(rows) if r.windowed]
+
+    # ---------------------------------------------------------------- lengths
+
+    def bind_finals(self, finals: np.ndarray) -> None:
+        """Final lengths by sequence id (the engine's ``prompt + output``): the
+        internal-fragmentation term needs them. Unbound, a sequence's final length is
+        taken as ``max_seq_len``."""
+        self._finals = np.asarray(finals, dtype=np.int64)
+
+    def _final(self, seq: int) -> int:
+        if self._finals is not None and seq < len(self._finals):
+            return int(self._finals[seq])
+        return self.max_seq_len
+
+    def _ensure(self, seq: int) -> None:
+        if seq >= len(self._q):
+            size = max(seq + 1, 2 * len(self._q), 64)
+            for name in ("_q", "_f"):
+                old = getattr(self, name)
+                new = np.zeros(size, dtype=np.int64)
+                new[: len(old)] = old
+                setattr(self, name, new)
+            for name in ("_lo", "_hi"):
+                old = getattr(self, name)
+                new = np.zeros((len(self.rows), size), dtype=np.int64)
+                new[:, : old.shape[1]] = old
+                setattr(self, name, new)
+
+    def _target(self, q: int, computed: int, lo: np.ndarray, hi: np.ndarray) -> tuple[list[int], list[int], list[int], list[int]]:
+        """New (lo, hi) per row for ``q`` requested and ``computed`` computed, and the
+        blocks each row frees and takes to get there."""
+        new_lo, new_hi, frees, takes = [], [], [], []
+        for i, row in enumerate(self.rows):
+            lo0, hi0 = int(lo[i]), int(hi[i])
+            if row.is_state:
+                lo1, hi1 = 0, 1
+            else:
+                hi1 = max(hi0, cdiv(q, row.block_tokens))
+                lo1 = max(lo0, row.lo_blocks(computed))
+            frees.append(max(0, min(lo1, hi0) - lo0))
+            takes.append(max(0, hi1 - max(hi0, lo1)))
+            new_lo.append(lo1)
+            new_hi.append(hi1)
+        return new_lo, new_hi, frees, takes
+
+    def _commit(self, seq: int, q: int, computed: int, new_lo: list[int], new_hi: list[int]) -> None:
+        final = self._final(seq)
+        for i, row in enumerate(self.rows):
+            lo0, hi0 = int(self._lo[i, seq]), int(self._hi[i, seq])
+            lo1, hi1 = new_lo[i], new_hi[i]
+            self.held_blocks[i] += (hi1 - lo1) - (hi0 - lo0)
+            if not row.is_state:
+                b = row.block_tokens
+                self._floor[i] += (lo1 - lo0) * b
+                self._tail[i] += self._tail_of(hi1, lo1, b, final) - self._tail_of(hi0, lo0, b, final)
+            self._lo[i, seq], self._hi[i, seq] = lo1, hi1
+        self._q[seq], self._f[seq] = q, computed
+
+    @staticmethod
+    def _tail_of(hi: int, lo: int, block_tokens: int, final: int) -> int:
+        return max(0, hi * block_tokens - max(final, lo * block_tokens)) if hi > lo else 0
+
+    # ------------------------------------------------------ allocator protocol
+
+    def allocate(self, seq_id: int, num_slots: int) -> Any:
+        """Room for ``num_slots`` tokens of a new sequence, none computed yet (None: no room)."""
+        if seq_id in self._live:
+            raise ValueError(f"sequence {seq_id} is already allocated")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self._ensure(seq_id)
+        zero = np.zeros(len(self.rows), dtype=np.int64)
+        new_lo, new_hi, frees, takes = self._target(num_slots, 0, zero, zero)
+        if not self._place(seq_id, frees, takes):
+            return None
+        self._live[seq_id] = None
+        self._lo[:, seq_id] = 0
+        self._hi[:, seq_id] = 0
+        self._commit(seq_id, num_slots, 0, new_lo, new_hi)
+        return self.placement(seq_id)
+
+    def extend(self, seq_id: int, num_slots: int) -> bool:
+        """Raise the request to ``q + num_slots`` tokens with ``q + num_slots − 1`` of them
+        computed (a decode step): blocks out of the window go back first, then the new
+        ones are taken; False (state unchanged) if they cannot all be had."""
+        if seq_id not in self._live:
+            raise ValueError(f"extend of unknown sequence {seq_id}")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        q = int(self._q[seq_id]) + num_slots
+        computed = q - 1
+        new_lo, new_hi, frees, takes = self._target(q, computed, self._lo[:, seq_id], self._hi[:, seq_id])
+        if (any(frees) or any(takes)) and not self._place(seq_id, frees, takes):
+            return False
+        self._commit(seq_id, q, computed, new_lo, new_hi)
+        return True
+
+    def preview_extend(self, seq_id: int, num_slots: int) -> tuple[list[int], list[int]]:
+        """The blocks each row would free and take on ``extend(seq_id, num_slots)``."""
+        q = int(self._q[seq_id]) + num_slots
+        _, _, frees, takes = self._target(q, q - 1, self._lo[:, seq_id], self._hi[:, seq_id])
+        return frees, takes
+
+    def can_take(self, takes: list[int]) -> bool:
+        """Whether the free memory holds ``takes[r]`` more blocks of each row, counting
+        no block that a free in between would return."""
+        return self._can_take(takes)
+
+    def free(self, seq_id: int) -> None:
+        if seq_id not in self._live:
+            raise ValueError(f"free of unknown sequence {seq_id}")
+        self._release(seq_id)
+        zero = [0] * len(self.rows)
+        self._commit(seq_id, 0, 0, zero, zero)
+        del self._live[seq_id]
+
+    def can_allocate(self, num_slots: int) -> bool:
+        zero = np.zeros(len(self.rows), dtype=np.int64)
+        return self._can_take(self._target(num_slots, 0, zero, zero)[3])
+
+    def num_free(self) -> int:
+        return int(sum(self._free_bytes()))
+
+    def largest_allocatable(self) -> int:
+        """Free bytes a new sequence can be placed in (no more than ``num_free``)."""
+        return self.num_free()
+
+    def rounded(self, num_slots: int) -> int:
+        """Bytes a fresh sequence of ``num_slots`` tokens holds."""
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        zero = np.zeros(len(self.rows), dtype=np.int64)
+        takes = self._target(num_slots, 0, zero, zero)[3]
+        return sum(t * r.block_bytes for t, r in zip(takes, self.rows, strict=True))
+
+    def fits_empty(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` tokens, all allocated at once, fits the
+        empty pool (recompute re-admits a preempted sequence that way)."""
+        zero = np.zeros(len(self.rows), dtype=np.int64)
+        return self._fits_empty(self._target(num_tokens, 0, zero, zero)[3])
+
+    def num_owned(self, seq_id: int) -> int:
+        """The largest requested length that moves no block of the sequence."""
+        self._require(seq_id)
+        limit = self.max_seq_len + 1
+        for i, row in enumerate(self.rows):
+            if row.is_state:
+                continue
+            limit = min(limit, int(self._hi[i, seq_id]) * row.block_tokens)
+            at = row.next_free_at(int(self._lo[i, seq_id]))
+            if at is not None:
+                limit = min(limit, at)
+        return limit
+
+    def num_requested(self, seq_id: int) -> int:
+        self._require(seq_id)
+        return int(self._q[seq_id])
+
+    def seq_ids(self) -> list[int]:
+        return list(self._live)
+
+    def placement(self, seq_id: int) -> tuple[tuple[int, ...], ...]:
+        """Block ids per row, in logical order (freed leading blocks left out)."""
+        self._require(seq_id)
+        return tuple(tuple(self._block_ids(seq_id, i)) for i in range(len(self.rows)))
+
+    def blocks_held(self, seq_id: int) -> list[int]:
+        """Blocks each row holds for the sequence."""
+        self._require(seq_id)
+        return [int(self._hi[i, seq_id] - self._lo[i, seq_id]) for i in range(len(self.rows))]
+
+    def _require(self, seq_id: int) -> None:
+        if seq_id not in self._live:
+            raise ValueError(f"unknown sequence {seq_id}")
+
+    # ------------------------------------------------------------- the split
+
+    @property
+    def labels(self) -> list[str]:
+        """Row labels, then the pool's."""
+        return [r.label for r in self.rows] + [POOL]
+
+    def split(self, seqs: np.ndarray, computed: np.ndarray) -> np.ndarray:
+        """Bytes per row (and the pool, last) per category, for the live sequences
+        ``seqs`` that have ``computed`` tokens stored now."""
+        out = np.zeros((len(self.rows) + 1, len(CATEGORIES)), dtype=np.int64)
+        stored = int(computed.sum())
+        nseq = len(self._live)
+        for i, row in enumerate(self.rows):
+            held = self.held_blocks[i]
+            out[i, PADDING] = held * row.padding_per_block
+            if row.is_state:
+                out[i, TOKEN] = held * row.state_bytes
+                continue
+            b, tb = row.block_tokens, row.token_bytes
+            in_held = stored - self._floor[i]
+            oow = 0
+            if row.windowed and nseq:
+                start = row.window_start(computed)
+                oow = int(np.maximum(0, start - self._lo[i, seqs] * b).sum())
+            out[i, TOKEN] = (in_held - oow) * tb
+            out[i, OUT_OF_WINDOW] = oow * tb
+            out[i, INTERNAL] = self._tail[i] * tb
+            out[i, RESERVATION] = (held * b - in_held - self._tail[i]) * tb
+        out[:, FREE] = self._free_bytes()
+        out[-1, PADDING] = self._fixed_padding()
+        return out
+
+    def split_steps(self, seqs: np.ndarray, computed0: np.ndarray, k: int) -> np.ndarray:
+        """:meth:`split` for ``k`` steps in which every sequence computes one token a
+        step and no block moves: ``[k, rows + 1, categories]``."""
+        out = np.repeat(self.split(seqs, computed0)[None], k, axis=0)
+        if k <= 1:
+            return out
+        steps = np.arange(k, dtype=np.int64)
+        n = len(seqs)
+        for i in range(len(self.rows)):
+            row = self.rows[i]
+            if row.is_state:
+                continue
+            tb, b = row.token_bytes, row.block_tokens
+            grow = n * steps
+            oow = np.zeros(k, dtype=np.int64)
+            if row.windowed and n:
+                lo = self._lo[i, seqs] * b
+                start = row.window_start(computed0[None, :] + steps[:, None])
+                oow = np.maximum(0, start - lo[None, :]).sum(axis=1)
+                oow -= oow[0]
+            out[:, i, TOKEN] += (grow - oow) * tb
+            out[:, i, OUT_OF_WINDOW] += oow * tb
+            out[:, i, RESERVATION] -= grow * tb
+        return out
+
+    def split_slow(self, seqs: np.ndarray, computed: np.ndarray) -> np.ndarray:
+        """:meth:`split` from each sequence's own blocks (tests and ``check=True``)."""
+        out = np.zeros((len(self.rows) + 1, len(CATEGORIES)), dtype=np.int64)
+        assert sorted(int(s) for s in seqs) == sorted(self._live), "live sequences differ"
+        for seq, f in zip(seqs.tolist(), computed.tolist(), strict=True):
+            final = self._final(seq)
+            assert 0 <= f <= final, (seq, f, final)
+            for i, row in enumerate(self.rows):
+                lo, hi = int(self._lo[i, seq]), int(self._hi[i, seq])
+                assert len(self._block_ids(seq, i)) == hi - lo, (seq, row.label)
+                out[i, PADDING] += (hi - lo) * row.padding_per_block
+                if row.is_state:
+                    out[i, TOKEN] += (hi - lo) * row.state_bytes
+                    continue
+                b, tb = row.block_tokens, row.token_bytes
+                assert f <= hi * b, (seq, row.label, f, hi)
+                start = int(row.window_start(np.array([f]))[0])
+                assert lo * b <= max(start, 0) or lo == 0, (seq, row.label, lo, start)
+                positions = np.arange(lo * b, hi * b)
+                out[i, OUT_OF_WINDOW] += int(((positions < start) & (positions < f)).sum()) * tb
+                out[i, TOKEN] += int(((positions >= start) & (positions < f)).sum()) * tb
+                out[i, RESERVATION] += int(((positions >= f) & (positions < final)).sum()) * tb
+                out[i, INTERNAL] += int((positions >= max(final, f)).sum()) * tb
+        out[:, FREE] = self._free_bytes()
+        out[-1, PADDING] = self._fixed_padding()
+        return out
+
+    def check(self) -> None:
+        """Incremental sums against the per-sequence arrays, and the pool's own invariants."""
+        seqs = np.fromiter(self._live, dtype=np.int64, count=len(self._live))
+        for i, row in enumerate(self.rows):
+            lo, hi = self._lo[i, seqs], self._hi[i, seqs]
+            assert self.held_blocks[i] == int((hi - lo).sum()), (row.label, "held blocks")
+            if not row.is_state:
+                b = row.block_tokens
+                assert self._floor[i] == int(lo.sum()) * b, (row.label, "floor")
+                tails = sum(self._tail_of(int(h), int(l_), b, self._final(int(s)))
+                            for s, l_, h in zip(seqs, lo, hi, strict=True))
+                assert self._tail[i] == tails, (row.label, "tail")
+        self._check_pool()
+
+    # --------------------------------------------------------- subclass hooks
+
+    def _place(self, seq: int, frees: list[int], takes: list[int]) -> bool:
+        raise NotImplementedError
+
+    def _release(self, seq: int) -> None:
+        raise NotImplementedError
+
+    def _free_bytes(self) -> list[int]:
+        raise NotImplementedError
+
+    def _fixed_padding(self) -> int:
+        raise NotImplementedError
+
+    def _can_take(self, takes: list[int]) -> bool:
+        raise NotImplementedError
+
+    def _fits_empty(self, takes: list[int]) -> bool:
+        raise NotImplementedError
+
+    def _block_ids(self, seq: int, row: int) -> list[int]:
+        raise NotImplementedError
+
+    def _check_pool(self) -> None:
+        raise NotImplementedError
+
+    def num_used_blocks(self) -> int:
+        """Block ids (or small pages) held by sequences."""
+        raise NotImplementedError
+
+
+def kind_of_rows(rows: tuple[Row, ...]) -> list[str]:
+    """The kind of each row, then the pool's (for the per-kind split)."""
+    return [r.kind for r in rows] + [POOL]

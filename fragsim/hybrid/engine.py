@@ -1,0 +1,224 @@
+"""The serving engine over a hybrid KV manager.
+
+:class:`HybridEngine` is :class:`fragsim.engine.Engine` with a
+:class:`~fragsim.hybrid.base.HybridManager` as its allocator. Scheduling is the
+engine's own (same steps, same admission, growth and recompute preemption); what
+changes is what a sequence meets and what is recorded:
+
+* a decoding sequence calls the manager whenever its next token takes a block
+  *or* frees one: the manager's ``num_owned`` is the longest requested length that
+  moves no block, so window frees happen at the step vLLM makes them;
+* prompt blocks are all taken at admission, as the dense engine does; window frees
+  begin at the first decode step;
+* each step records the manager's byte split per row and category
+  (:class:`~fragsim.hybrid.split.SplitRecorder`) beside the engine's usual
+  recorder, which gets the pool-wide totals in bytes.
+
+Stretches keep working: window frees and block takes fall at steps known from
+each sequence's length, so a stretch runs between them in a few numpy calls, takes
+and frees blocks at those steps in exact-mode order, and stops before a step whose
+blocks might not all be free (which then runs exactly, preempting if it must) and,
+when requests wait, before a step that frees blocks (an admission may follow).
+
+Not yet for hybrid runs: block sharing (samples, beams, prefix caching), swap
+preemption and request-level batching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, cast
+
+import numpy as np
+
+from fragsim.allocators import Allocator
+from fragsim.costmodel import CostModel
+from fragsim.engine import Engine, EngineConfig
+from fragsim.hybrid.base import (
+    CATEGORIES,
+    FREE,
+    INTERNAL,
+    OUT_OF_WINDOW,
+    PADDING,
+    TOKEN,
+    HybridManager,
+    kind_of_rows,
+)
+from fragsim.hybrid.split import SplitRecorder
+
+_HELD_ELSEWHERE = [INTERNAL, PADDING, OUT_OF_WINDOW]
+
+
+class HybridEngine(Engine):
+    """Replays ``trace`` against a hybrid KV manager; call :meth:`run` once."""
+
+    def __init__(self, trace: object, manager: HybridManager, cost_model: CostModel,
+                 config: EngineConfig, progress: Callable[[int], None] | None = None,
+                 observer: Any = None) -> None:
+        if config.sharing:
+            raise ValueError("block sharing (samples, beams, prefix caching) is not modelled for "
+                             "the hybrid KV managers yet")
+        if config.preemption != "recompute":
+            raise ValueError("the hybrid KV managers preempt by recompute only (--preemption recompute)")
+        if config.batching != "continuous":
+            raise ValueError("the hybrid KV managers need continuous batching")
+        if config.address_map_interval_s is not None:
+            raise ValueError("address maps of hybrid pools are not drawn yet")
+        self.manager = manager
+        # The manager keeps the Allocator protocol in token units; only its placements
+        # differ (block ids per row), and the engine does not read them.
+        super().__init__(trace, cast(Allocator, manager), cost_model, config, progress=progress,
+                         observer=observer)
+        manager.bind_finals(self.final)
+        self.split_rec = SplitRecorder(manager.labels, kind_of_rows(manager.rows), manager.capacity,
+                                       config.timeseries_resolution_s)
+
+    # ------------------------------------------------------------------ setup
+
+    def _fits_alone(self, needs: np.ndarray) -> dict[int, bool]:
+        return {int(n): self.manager.fits_empty(int(n)) for n in needs.tolist()}
+
+    def _take(self, req: int, owned: int, delta: int = 1) -> None:
+        """The manager keeps the bytes; the engine's slot totals are not used."""
+
+    # -------------------------------------------------------------- recording
+
+    def _live(self) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence ids and computed lengths of everything holding memory now."""
+        b, n = self.batch, self.batch.n
+        seqs = b.seq[:n]
+        computed = b.offset[:n] + self.g
+        if self.prefilling:
+            seqs = np.concatenate((seqs, [p.req for p in self.prefilling]))
+            computed = np.concatenate((computed, [p.done for p in self.prefilling]))
+        return seqs.astype(np.int64), computed.astype(np.int64)
+
+    def _record_split(self, dt: float, split: np.ndarray, running: int, waiting: int) -> None:
+        m = self.manager
+        free = int(split[:, FREE].sum())
+        self.rec.record(self.now, dt, int(split[:, TOKEN].sum()), m.capacity - free,
+                        int(split[:, _HELD_ELSEWHERE].sum()), m.largest_allocatable(), running, waiting)
+        self.split_rec.record(self.now, dt, split, m.num_used_blocks())
+
+    def _record_step(self, dt: float, decode_context: int) -> None:
+        seqs, computed = self._live()
+        self._record_split(dt, self.manager.split(seqs, computed), self._num_running(),
+                           len(self.waiting) + len(self.swapped))
+
+    def _record_idle(self, dt: float) -> None:
+        none = np.zeros(0, dtype=np.int64)
+        self._record_split(dt, self.manager.split(none, none), 0, len(self.waiting))
+
+    def memory_split(self) -> tuple[int, int, int, int]:
+        """(token_states, reservation, everything else held, free) in bytes, now."""
+        seqs, computed = self._live()
+        split = self.manager.split(seqs, computed)
+        return (int(split[:, TOKEN].sum()), int(split[:, CATEGORIES.index("reservation")].sum()),
+                int(split[:, _HELD_ELSEWHERE].sum()), int(split[:, FREE].sum()))
+
+    def _check(self) -> None:
+        """The fast split against one rebuilt from every sequence's blocks; the
+        engine's thresholds against the manager's; the manager's own invariants."""
+        m, b = self.manager, self.batch
+        seqs, computed = self._live()
+        fast, slow = m.split(seqs, computed), m.split_slow(seqs, computed)
+        assert (fast == slow).all(), f"split drifted at t={self.now}:\n{fast}\n!=\n{slow}"
+        assert int(fast.sum()) == m.capacity
+        for row in range(b.n):
+            seq = int(b.seq[row])
+            assert m.num_owned(seq) == b.owned[row], (seq, m.num_owned(seq), int(b.owned[row]))
+            assert m.num_requested(seq) == b.requested[row]
+        m.check()
+
+    # ------------------------------------------------------------- stretches
+
+    def _jump(self) -> float:
+        """A stretch of decode steps, blocks taken and freed at the steps they move."""
+        b, cfg, m = self.batch, self.cfg, self.manager
+        n = b.n
+        if n == 0 or not self._quiet or cfg.exact_steps:
+            return 0.0
+        g = self.g
+        filled0 = b.offset[:n] + g
+        k = min(int((b.final[:n] - filled0).min()) - 1, cfg.max_jump_steps)
+        if k <= 0:
+            return 0.0
+        ctx = int(filled0.sum()) + n * np.arange(k, dtype=np.int64)
+        dts = self.cost.decode_step_times(n, ctx)
+        starts = np.cumsum(np.concatenate(([self.now], dts)))
+        if not self.waiting and not self.swapped:
+            nxt = int(self.next_servable[self._next])
+            if nxt < self.N:
+                hit = np.flatnonzero(self.arrival[nxt] <= starts[:k])
+                if len(hit):
+                    k = int(hit[0])
+        if cfg.queue_timeout_s is not None:
+            first = next((r for r in self.waiting if self.preemptions[r] == 0), None)
+            if first is not None:
+                hit = np.flatnonzero(starts[:k] - self.arrival[first] > cfg.queue_timeout_s)
+                if len(hit):
+                    k = int(hit[0])
+        if k <= 0:
+            return 0.0
+        k, splits, largest, used = self._jump_blocks(filled0, k)
+        if k <= 0:
+            return 0.0
+        free = splits[:, :, FREE].sum(axis=1)
+        pulled = np.searchsorted(self.arrival, starts[:k], side="right")
+        waiting = len(self.waiting) + len(self.swapped) \
+            + self.servable_cum[pulled] - self.servable_cum[self._next]
+        self.rec.record_steps(self.now, dts[:k], splits[:, :, TOKEN].sum(axis=1), m.capacity - free,
+                              splits[:, :, _HELD_ELSEWHERE].sum(axis=(1, 2)), largest, n, waiting)
+        self.split_rec.record_steps(self.now, dts[:k], splits, used)
+        self.now = float(starts[k])
+        self.g += k
+        self.num_steps += k
+        if cfg.check:
+            self._check()
+        return float(dts[:k].sum())
+
+    def _jump_blocks(self, filled0: np.ndarray, k: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """Block moves over up to ``k`` steps, in exact-mode order; the split, largest
+        allocatable and used blocks of each step. Stops short as the module says."""
+        b, m = self.batch, self.manager
+        n = b.n
+        seqs = b.seq[:n].copy()
+        wait = bool(self.waiting or self.swapped)
+        pieces: list[np.ndarray] = []
+        largest: list[np.ndarray] = []
+        used: list[np.ndarray] = []
+        j = 0
+        while j < k:
+            events = b.owned[:n] - filled0          # first step at which each row meets the manager
+            nxt = max(j, int(events.min()))
+            if nxt > j or nxt >= k:
+                end = min(nxt, k)
+                pieces.append(m.split_steps(seqs, filled0 + j, end - j))
+                largest.append(np.full(end - j, m.largest_allocatable(), dtype=np.int64))
+                used.append(np.full(end - j, m.num_used_blocks(), dtype=np.int64))
+                j = end
+                if j >= k:
+                    break
+            rows = np.flatnonzero(events <= j)
+            rows = rows[np.argsort(b.req[rows], kind="stable")]
+            targets = filled0[rows] + j + 1
+            takes = [0] * len(m.rows)
+            frees = False
+            for row, target in zip(rows.tolist(), targets.tolist(), strict=True):
+                f, t = m.preview_extend(int(b.seq[row]), target - int(b.requested[row]))
+                frees = frees or any(f)
+                takes = [a + c for a, c in zip(takes, t, strict=True)]
+            if (frees and wait) or not m.can_take(takes):
+                k = j
+                break
+            for row, target in zip(rows.tolist(), targets.tolist(), strict=True):
+                seq = int(b.seq[row])
+                if not m.extend(seq, target - int(b.requested[row])):
+                    raise AssertionError("a block move failed inside a stretch that had room for it")
+                b.requested[row] = target
+                b.owned[row] = m.num_owned(seq)
+        if k <= 0 or not pieces:
+            empty = np.zeros((0, len(m.rows) + 1, len(CATEGORIES)), dtype=np.int64)
+            return 0, empty, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return (k, np.concatenate(pieces)[:k], np.concatenate(largest)[:k],
+                np.concatenate(used)[:k])

@@ -1,0 +1,181 @@
+"""Jenga (SOSP 2025): large pages carved into small pages of each layer kind.
+
+Every row (layer kind) has its own small page: ``block_size`` tokens of its
+layers' KV, or one state. A large page is the least common multiple of the small
+pages, so any large page can be cut into whole small pages of any kind; the pool
+is a list of large pages, each free or carved for one kind. Allocation is
+request-aware (the paper's §4): a request's small pages go first into large pages
+that already hold its pages of that kind, then into a fresh large page, and only
+when none is left into other requests' partly used pages, so that a request's
+small pages share large pages and a finished request frees whole large pages.
+
+What remains is large-page fragmentation: free small pages stranded in large
+pages carved for one kind, which another kind cannot use. They count as that
+row's ``free`` memory, and the external-fragmentation ratio is the share of free
+memory outside whole free large pages.
+
+When the least common multiple is far larger than the pages (a Mamba state and
+a 16-token attention page rarely share many factors), small pages are padded up
+to multiples of a power of two until it is at most ``max_large_ratio`` times the
+largest page; the padding shows as ``padding``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from fragsim.hybrid.base import HybridManager, Row
+
+
+def large_page(rows: tuple[Row, ...], max_large_ratio: int = 16) -> tuple[int, tuple[Row, ...]]:
+    """The large page's bytes and the rows with their (maybe padded) small pages."""
+    pages = [r.block_bytes for r in rows]
+    largest = max(pages)
+    unit = 1
+    while True:
+        padded = [-(-p // unit) * unit for p in pages]
+        lcm = math.lcm(*padded)
+        if lcm <= max_large_ratio * max(padded) or unit >= largest:
+            break
+        unit *= 2
+    return lcm, tuple(replace(r, block_bytes=p) for r, p in zip(rows, padded, strict=True))
+
+
+class JengaManager(HybridManager):
+    """Two-level allocation: large pages for kinds, small pages for requests."""
+
+    def __init__(self, rows: tuple[Row, ...], capacity: int, *, max_seq_len: int,
+                 max_large_ratio: int = 16, name: str = "jenga") -> None:
+        self.large_page_bytes, padded = large_page(rows, max_large_ratio)
+        super().__init__(name=name, placement="jenga", rows=padded, capacity=capacity,
+                         max_seq_len=max_seq_len)
+        self.num_large = capacity // self.large_page_bytes
+        if self.num_large < 1:
+            raise ValueError(f"{capacity:,} bytes hold no {self.large_page_bytes:,}-byte large page")
+        self.per_large = [self.large_page_bytes // r.block_bytes for r in padded]
+        self._free_large = list(range(self.num_large))   # LIFO: a freed large page is reused first
+        self._kind_of = [-1] * self.num_large            # row a large page is carved for
+        self._slots: dict[int, list[int]] = {}           # large page -> its free small slots
+        self._partial: list[dict[int, None]] = [{} for _ in padded]  # per row: pages with free slots
+        self._owners: dict[int, dict[int, int]] = {}     # large page -> {seq: small pages it holds}
+        self._tables: dict[int, list[list[int]]] = {}    # small page id = large * per_large + slot
+        self._free_slots = [0] * len(padded)             # per row: free small pages in its large pages
+
+    # ------------------------------------------------------------- placement
+
+    def _available(self, row: int) -> int:
+        return self._free_slots[row]
+
+    def _can_take_with(self, takes: list[int], own_frees: list[int]) -> bool:
+        """Whether the small pages fit, counting the sequence's own frees as free slots of
+        their kind only (a free that empties a whole large page is not counted: safe)."""
+        opens = sum(self._opens(i, t - f) for i, (t, f) in enumerate(zip(takes, own_frees, strict=True)))
+        return opens <= len(self._free_large)
+
+    def _take_small(self, seq: int, row: int, reserved: int) -> int:
+        """One small page for ``seq``: in its own large page of this kind, else a fresh
+        large page while more than ``reserved`` (what later rows must open) remain,
+        else in another request's partly used page."""
+        per = self.per_large[row]
+        page = next((p for p in self._partial[row] if seq in self._owners[p]), None)
+        if page is None and len(self._free_large) > reserved:
+            page = self._free_large.pop()
+            self._kind_of[page] = row
+            self._slots[page] = list(range(per))
+            self._partial[row][page] = None
+            self._owners[page] = {}
+            self._free_slots[row] += per
+        if page is None:
+            page = next(iter(self._partial[row]))
+        slots = self._slots[page]
+        slot = slots.pop(0)
+        self._free_slots[row] -= 1
+        if not slots:
+            del self._partial[row][page]
+        owners = self._owners[page]
+        owners[seq] = owners.get(seq, 0) + 1
+        return page * per + slot
+
+    def _opens(self, row: int, takes: int) -> int:
+        """Large pages ``takes`` small pages of ``row`` must open beyond its free slots."""
+        short = takes - self._available(row)
+        return -(-short // self.per_large[row]) if short > 0 else 0
+
+    def _give_back(self, seq: int, row: int, small: int) -> None:
+        per = self.per_large[row]
+        page, slot = divmod(small, per)
+        self._slots[page].append(slot)
+        self._free_slots[row] += 1
+        self._partial[row][page] = None
+        owners = self._owners[page]
+        owners[seq] -= 1
+        if not owners[seq]:
+            del owners[seq]
+        if len(self._slots[page]) == per:  # the whole large page is free again
+            del self._partial[row][page], self._slots[page], self._owners[page]
+            self._kind_of[page] = -1
+            self._free_slots[row] -= per
+            self._free_large.append(page)
+
+    def _place(self, seq: int, frees: list[int], takes: list[int]) -> bool:
+        if not self._can_take_with(takes, frees):
+            return False
+        tables = self._tables.setdefault(seq, [[] for _ in self.rows])
+        for i, f in enumerate(frees):
+            for small in tables[i][:f]:
+                self._give_back(seq, i, small)
+            del tables[i][:f]
+        for i, t in enumerate(takes):
+            reserved = sum(self._opens(j, takes[j]) for j in range(i + 1, len(takes)))
+            tables[i].extend(self._take_small(seq, i, reserved) for _ in range(t))
+        return True
+
+    def _release(self, seq: int) -> None:
+        for i, table in enumerate(self._tables.pop(seq, [])):
+            for small in table:
+                self._give_back(seq, i, small)
+
+    # ---------------------------------------------------------------- sizes
+
+    def num_used_blocks(self) -> int:
+        """Small pages held."""
+        return sum(len(t) for tables in self._tables.values() for t in tables)
+
+    def num_free_large(self) -> int:
+        return len(self._free_large)
+
+    def _free_bytes(self) -> list[int]:
+        out = [self._available(i) * r.block_bytes for i, r in enumerate(self.rows)]
+        return out + [len(self._free_large) * self.large_page_bytes]
+
+    def _fixed_padding(self) -> int:
+        return self.capacity - self.num_large * self.large_page_bytes
+
+    def _can_take(self, takes: list[int]) -> bool:
+        return self._can_take_with(takes, [0] * len(takes))
+
+    def _fits_empty(self, takes: list[int]) -> bool:
+        return sum(-(-t // p) for t, p in zip(takes, self.per_large, strict=True)) <= self.num_large
+
+    def largest_allocatable(self) -> int:
+        """Whole free large pages: what any kind can still be given."""
+        return len(self._free_large) * self.large_page_bytes
+
+    def _block_ids(self, seq: int, row: int) -> list[int]:
+        tables = self._tables.get(seq)
+        return list(tables[row]) if tables else []
+
+    def _check_pool(self) -> None:
+        carved = [p for p in range(self.num_large) if self._kind_of[p] >= 0]
+        assert sorted(carved + self._free_large) == list(range(self.num_large)), "large pages lost"
+        for p in carved:
+            row = self._kind_of[p]
+            per = self.per_large[row]
+            held = [s % per for tables in self._tables.values() for s in tables[row] if s // per == p]
+            assert sorted(held + self._slots[p]) == list(range(per)), f"large page {p}: slots"
+            assert (p in self._partial[row]) == bool(self._slots[p]), f"large page {p}: partial list"
+            assert sum(self._owners[p].values()) == len(held), f"large page {p}: owners"
+            assert held, f"large page {p} is carved but empty"
+        for row in range(len(self.rows)):
+            assert self._free_slots[row] == sum(len(self._slots[p]) for p in self._partial[row])

@@ -1,0 +1,110 @@
+"""Every layer allocates for every token: how engines ran hybrid models before
+hybrid KV cache support, and the baseline the hybrid managers are measured against.
+
+One paged pool of ``block_size``-token blocks, each holding every attention
+layer's K and V for its tokens: a sliding-window or chunked layer keeps the whole
+sequence although it reads only its window, so the positions before the window
+show as ``out_of_window``. State layers (Mamba, linear attention) get what vLLM's
+engine gave them before its hybrid manager: a state array for ``max_num_seqs``
+sequences carved out of the memory up front, each running sequence taking one
+slot; an unused slot is free memory that only a state can use.
+"""
+
+from __future__ import annotations
+
+from fragsim.hybrid.base import HybridManager, Row
+
+
+class PagedUniformManager(HybridManager):
+    """Uniform blocks for all attention layers; a static state slot per sequence."""
+
+    def __init__(self, rows: tuple[Row, ...], capacity: int, *, max_seq_len: int,
+                 max_num_seqs: int, name: str = "paged-uniform") -> None:
+        attention = [r for r in rows if not r.is_state]
+        if len({r.block_tokens for r in attention}) > 1:
+            raise ValueError("paged-uniform needs one block size for every attention row")
+        if any(r.frees_window for r in attention if r.windowed):
+            raise ValueError("paged-uniform rows keep their out-of-window blocks (frees_window=False)")
+        super().__init__(name=name, placement="paged-uniform", rows=rows, capacity=capacity,
+                         max_seq_len=max_seq_len)
+        self._attention = [i for i, r in enumerate(rows) if not r.is_state]
+        self._states = [i for i, r in enumerate(rows) if r.is_state]
+        self.state_slot_bytes = sum(rows[i].block_bytes for i in self._states)
+        self.num_state_slots = max_num_seqs if self._states else 0
+        rest = capacity - self.num_state_slots * self.state_slot_bytes
+        self.uniform_block_bytes = sum(rows[i].block_bytes for i in self._attention)
+        self.num_blocks = rest // self.uniform_block_bytes if self.uniform_block_bytes else 0
+        if rest < 0 or (self._attention and self.num_blocks < 1):
+            raise ValueError(f"{capacity:,} bytes hold neither {self.num_state_slots} state slots of "
+                             f"{self.state_slot_bytes:,} bytes and one {self.uniform_block_bytes:,}-byte block")
+        self._queue = list(range(self.num_blocks))
+        self._head = 0
+        self._state_free = list(range(self.num_state_slots))
+        self._blocks: dict[int, list[int]] = {}
+        self._slot: dict[int, int] = {}
+
+    def num_free_blocks(self) -> int:
+        return len(self._queue) - self._head
+
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks()
+
+    def _takes(self, takes: list[int]) -> tuple[int, int]:
+        blocks = max((takes[i] for i in self._attention), default=0)
+        states = max((takes[i] for i in self._states), default=0)
+        return blocks, states
+
+    def _place(self, seq: int, frees: list[int], takes: list[int]) -> bool:
+        assert not any(frees), "paged-uniform frees no block before the sequence ends"
+        blocks, states = self._takes(takes)
+        if blocks > self.num_free_blocks() or states > len(self._state_free):
+            return False
+        if blocks:
+            self._blocks.setdefault(seq, []).extend(self._queue[self._head:self._head + blocks])
+            self._head += blocks
+            if self._head > 1024 and self._head > len(self._queue) >> 1:
+                del self._queue[: self._head]
+                self._head = 0
+        if states:
+            self._slot[seq] = self._state_free.pop(0)
+        return True
+
+    def _release(self, seq: int) -> None:
+        self._queue.extend(self._blocks.pop(seq, []))
+        if seq in self._slot:
+            self._state_free.append(self._slot.pop(seq))
+
+    def _free_bytes(self) -> list[int]:
+        out = [0] * (len(self.rows) + 1)
+        for i in self._states:
+            out[i] = len(self._state_free) * self.rows[i].block_bytes
+        out[-1] = self.num_free_blocks() * self.uniform_block_bytes
+        return out
+
+    def _fixed_padding(self) -> int:
+        return (self.capacity - self.num_state_slots * self.state_slot_bytes
+                - self.num_blocks * self.uniform_block_bytes)
+
+    def _can_take(self, takes: list[int]) -> bool:
+        blocks, states = self._takes(takes)
+        return blocks <= self.num_free_blocks() and states <= len(self._state_free)
+
+    def _fits_empty(self, takes: list[int]) -> bool:
+        blocks, states = self._takes(takes)
+        return blocks <= self.num_blocks and states <= self.num_state_slots
+
+    def largest_allocatable(self) -> int:
+        """Free blocks: the free state slots hold nothing else."""
+        return self.num_free_blocks() * self.uniform_block_bytes
+
+    def _block_ids(self, seq: int, row: int) -> list[int]:
+        if self.rows[row].is_state:
+            return [self._slot[seq]] if seq in self._slot else []
+        return list(self._blocks.get(seq, []))
+
+    def _check_pool(self) -> None:
+        free = self._queue[self._head:]
+        held = [b for t in self._blocks.values() for b in t]
+        assert sorted(free + held) == list(range(self.num_blocks)), "uniform blocks lost or doubled"
+        slots = list(self._slot.values())
+        assert sorted(slots + self._state_free) == list(range(self.num_state_slots)), "state slots"

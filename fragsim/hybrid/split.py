@@ -1,0 +1,131 @@
+"""The byte split of a hybrid pool per row and category, integrated over time.
+
+:class:`SplitRecorder` is :class:`fragsim.metrics.Recorder`'s companion for the
+hybrid managers: the main recorder keeps the pool-wide four-way split (token
+states, reservation, everything else held, free) beside running, waiting and the
+external-fragmentation ratio; this one keeps the full
+``rows × CATEGORIES`` matrix of :meth:`HybridManager.split
+<fragsim.hybrid.base.HybridManager.split>`, as exact time integrals and peaks,
+and per time bucket for the figures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from fragsim.hybrid.base import CATEGORIES
+
+
+class SplitRecorder:
+    """Time integrals of a ``[rows, categories]`` byte matrix."""
+
+    def __init__(self, labels: list[str], kinds: list[str], capacity: int,
+                 resolution_s: float | None) -> None:
+        self.labels, self.kinds, self.capacity = labels, kinds, capacity
+        self.resolution_s = resolution_s
+        shape = (len(labels), len(CATEGORIES))
+        self._integral = np.zeros(shape)
+        self._peak = np.zeros(shape)
+        self._span = 0.0
+        self._used_blocks = 0.0
+        self._buckets: dict[int, np.ndarray] = {}
+        self._bucket_span: dict[int, float] = {}
+
+    def record(self, t: float, dt: float, split: np.ndarray, used_blocks: int) -> None:
+        if int(split.sum()) != self.capacity or int(split.min()) < 0:
+            raise AssertionError(f"broken byte split at t={t}: sums to {int(split.sum()):,} of "
+                                 f"{self.capacity:,}, least part {int(split.min()):,}\n{split}")
+        if dt <= 0:
+            return
+        self._integral += split * dt
+        np.maximum(self._peak, split, out=self._peak)
+        self._span += dt
+        self._used_blocks += used_blocks * dt
+        if self.resolution_s is not None:
+            self._bucket(int(t // self.resolution_s), split * dt, dt)
+
+    def record_steps(self, t0: float, dts: np.ndarray, splits: np.ndarray,
+                     used_blocks: np.ndarray) -> None:
+        """Consecutive states ``splits[j]`` lasting ``dts[j]``, the first from ``t0``."""
+        totals = splits.sum(axis=(1, 2))
+        if (totals != self.capacity).any() or int(splits.min()) < 0:
+            j = int(np.flatnonzero((totals != self.capacity) | (splits.min(axis=(1, 2)) < 0))[0])
+            raise AssertionError(f"broken byte split in the stretch from t={t0}, step {j}: sums to "
+                                 f"{int(totals[j]):,} of {self.capacity:,}\n{splits[j]}")
+        weighted = np.tensordot(dts, splits, axes=(0, 0))
+        self._integral += weighted
+        np.maximum(self._peak, splits.max(axis=0), out=self._peak)
+        span = float(dts.sum())
+        self._span += span
+        self._used_blocks += float(np.dot(dts, used_blocks))
+        if self.resolution_s is None:
+            return
+        starts = t0 + np.concatenate(([0.0], np.cumsum(dts)[:-1]))
+        index = (starts // self.resolution_s).astype(np.int64)
+        if index[0] == index[-1]:
+            self._bucket(int(index[0]), weighted, span)
+            return
+        for b in np.unique(index).tolist():
+            sel = index == b
+            self._bucket(b, np.tensordot(dts[sel], splits[sel], axes=(0, 0)), float(dts[sel].sum()))
+
+    def _bucket(self, b: int, weighted: np.ndarray, span: float) -> None:
+        if b in self._buckets:
+            self._buckets[b] += weighted
+            self._bucket_span[b] += span
+        else:
+            self._buckets[b] = weighted.copy()
+            self._bucket_span[b] = span
+
+    # -- output ----------------------------------------------------------------
+
+    def means(self) -> np.ndarray:
+        """Time-weighted mean bytes, ``[rows, categories]``."""
+        return self._integral / self._span if self._span > 0 else np.zeros_like(self._integral)
+
+    def mean_used_blocks(self) -> float:
+        return self._used_blocks / self._span if self._span > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The ``--json`` keys: pool totals per category, then ``by_kind``."""
+        means = self.means()
+        cap = self.capacity
+        out: dict[str, Any] = {"kv_pool_bytes": cap}
+        total = means.sum(axis=0)
+        for c, name in enumerate(CATEGORIES):
+            out[f"mean_{name}_bytes"] = float(total[c])
+        for c, name in enumerate(CATEGORIES):
+            out[f"{name}_frac"] = float(total[c]) / cap if cap else 0.0
+        by_kind: dict[str, dict[str, float]] = {}
+        for r, kind in enumerate(self.kinds):
+            entry = by_kind.setdefault(kind, {f"mean_{name}_bytes": 0.0 for name in CATEGORIES})
+            for c, name in enumerate(CATEGORIES):
+                entry[f"mean_{name}_bytes"] += float(means[r, c])
+        for entry in by_kind.values():
+            held = sum(v for k, v in entry.items() if k != "mean_free_bytes")
+            entry["pool_frac"] = (held + entry["mean_free_bytes"]) / cap if cap else 0.0
+            entry["token_states_frac_of_held"] = entry["mean_token_states_bytes"] / held if held else 0.0
+        out["by_kind"] = by_kind
+        out["by_row"] = {label: {f"mean_{name}_bytes": float(means[r, c])
+                                 for c, name in enumerate(CATEGORIES)}
+                         for r, label in enumerate(self.labels)}
+        out["mean_used_blocks"] = self.mean_used_blocks()
+        return out
+
+    def timeseries(self) -> dict[str, np.ndarray]:
+        """Per bucket: start time and the mean bytes of each kind and category
+        (columns ``<kind>.<category>``)."""
+        keys = sorted(self._buckets)
+        out: dict[str, np.ndarray] = {
+            "time_s": np.array(keys, dtype=np.float64) * (self.resolution_s or 0.0)}
+        spans = np.array([self._bucket_span[k] for k in keys])
+        kinds = list(dict.fromkeys(self.kinds))
+        for kind in kinds:
+            rows = [r for r, k in enumerate(self.kinds) if k == kind]
+            for c, name in enumerate(CATEGORIES):
+                vals = np.array([self._buckets[k][rows, c].sum() for k in keys])
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    out[f"{kind}.{name}"] = np.where(spans > 0, vals / np.where(spans > 0, spans, 1), 0.0)
+        return out

@@ -1,0 +1,114 @@
+"""A paged pool per layer kind, sized up front: the baseline of Jenga's paper.
+
+Each row (layer kind) gets its own pool of its own blocks, ``block_size`` tokens
+of its layers' KV (a state row: one state), and frees its window as vLLM's
+hybrid manager does; only the split of the memory is fixed. The memory is cut in
+proportion to what one ``max_seq_len`` request needs in each row at its peak, as
+vLLM sizes a request's worst case, with ``T`` tokens computed in one step::
+
+    share(row) ∝ blocks × block bytes, blocks = full: ceil(L / B)
+                                                sliding: ceil(min(W − 1 + T, L) / B) + 1
+                                                chunked: ceil(min(C + T, L) / B)
+                                                state: 1
+
+so a workload of long requests fills every pool together, and any other mix
+leaves one pool short while another has room. A pool's free blocks count as that
+row's free memory; no other row can use them.
+"""
+
+from __future__ import annotations
+
+from fragsim.hybrid.base import HybridManager, Row, cdiv
+
+
+def max_blocks(row: Row, max_seq_len: int, step_tokens: int) -> int:
+    """Blocks of ``row`` one request of ``max_seq_len`` tokens holds at most, computing
+    up to ``step_tokens`` tokens a step."""
+    if row.is_state:
+        return 1
+    full = cdiv(max_seq_len, row.block_tokens)
+    if row.kind == "sliding" and row.frees_window:
+        assert row.window is not None
+        return min(full, cdiv(min(row.window - 1 + step_tokens, max_seq_len), row.block_tokens) + 1)
+    if row.kind == "chunked" and row.frees_window:
+        assert row.chunk is not None
+        return cdiv(min(row.chunk + step_tokens, max_seq_len), row.block_tokens)
+    return full
+
+
+class StaticPartitionManager(HybridManager):
+    """One FIFO paged pool per row, in a fixed share of the memory."""
+
+    def __init__(self, rows: tuple[Row, ...], capacity: int, *, max_seq_len: int,
+                 step_tokens: int, name: str = "static-partition") -> None:
+        super().__init__(name=name, placement="static-partition", rows=rows, capacity=capacity,
+                         max_seq_len=max_seq_len)
+        weights = [max_blocks(r, max_seq_len, step_tokens) * r.block_bytes for r in rows]
+        total = sum(weights)
+        self.share_bytes = [capacity * w // total for w in weights]
+        self.num_blocks = [s // r.block_bytes for s, r in zip(self.share_bytes, rows, strict=True)]
+        if min(self.num_blocks) < 1:
+            short = rows[self.num_blocks.index(min(self.num_blocks))]
+            raise ValueError(f"the {short.label} pool's share of {capacity:,} bytes holds no "
+                             f"{short.block_bytes:,}-byte block")
+        self._free = [list(range(n)) for n in self.num_blocks]
+        self._head = [0] * len(rows)
+        self._tables: dict[int, list[list[int]]] = {}
+
+    def free_blocks(self, row: int) -> int:
+        return len(self._free[row]) - self._head[row]
+
+    def num_used_blocks(self) -> int:
+        return sum(n - self.free_blocks(i) for i, n in enumerate(self.num_blocks))
+
+    def _place(self, seq: int, frees: list[int], takes: list[int]) -> bool:
+        if any(t > self.free_blocks(i) + f for i, (f, t) in enumerate(zip(frees, takes, strict=True))):
+            return False
+        tables = self._tables.setdefault(seq, [[] for _ in self.rows])
+        for i, (f, t) in enumerate(zip(frees, takes, strict=True)):
+            queue, table = self._free[i], tables[i]
+            if f:
+                queue.extend(reversed(table[:f]))
+                del table[:f]
+            if t:
+                head = self._head[i]
+                table.extend(queue[head:head + t])
+                head += t
+                if head > 1024 and head > len(queue) >> 1:
+                    del queue[:head]
+                    head = 0
+                self._head[i] = head
+        return True
+
+    def _release(self, seq: int) -> None:
+        for queue, table in zip(self._free, self._tables.pop(seq, []), strict=False):
+            queue.extend(reversed(table))
+
+    def _free_bytes(self) -> list[int]:
+        return [self.free_blocks(i) * r.block_bytes for i, r in enumerate(self.rows)] + [0]
+
+    def _fixed_padding(self) -> int:
+        used = sum(n * r.block_bytes for n, r in zip(self.num_blocks, self.rows, strict=True))
+        return self.capacity - used
+
+    def _can_take(self, takes: list[int]) -> bool:
+        return all(t <= self.free_blocks(i) for i, t in enumerate(takes))
+
+    def _fits_empty(self, takes: list[int]) -> bool:
+        return all(t <= n for t, n in zip(takes, self.num_blocks, strict=True))
+
+    def largest_allocatable(self) -> int:
+        """Free bytes a fresh request could use in proportion to the shares: the
+        tightest pool's free share, scaled to the whole memory."""
+        frac = min(self.free_blocks(i) / n for i, n in enumerate(self.num_blocks))
+        return min(self.num_free(), int(frac * self.capacity))
+
+    def _block_ids(self, seq: int, row: int) -> list[int]:
+        tables = self._tables.get(seq)
+        return list(tables[row]) if tables else []
+
+    def _check_pool(self) -> None:
+        for i, n in enumerate(self.num_blocks):
+            free = self._free[i][self._head[i]:]
+            held = [b for t in self._tables.values() for b in t[i]]
+            assert sorted(free + held) == list(range(n)), f"row {self.rows[i].label}: blocks lost"
