@@ -8,6 +8,15 @@ must agree exactly. The block size is fragsim's choice, handed to vLLM as decide
 backend table.
 
     python benchmarks/vllm_crosscheck.py --vllm-python /path/to/vllm-venv/bin/python
+    python benchmarks/vllm_crosscheck.py --vllm-python ... --trace azure-conv
+
+With ``--trace``, each model's ``vllm-hybrid`` run on that trace is recorded, every
+allocate, extend and free its engine made, and the same operations are replayed on
+one vLLM KVCacheManager: whether each succeeded, the blocks each group holds for
+the request and the pool's free blocks must agree after every operation (the free
+count is not compared while a failed extension waits for its retry: vLLM has
+already dropped that request's skipped blocks, fragsim's manager drops them on the
+retry).
 
 Prints one line per case and exits 1 on any difference.
 """
@@ -78,6 +87,99 @@ def compare(plan: VllmPlan, ref: dict) -> list[str]:
     return bad
 
 
+TRACE_MODELS = ["gpt-oss-20b", "gemma-3-27b", "jamba-mini-1.5", "nemotron-h-8b", "qwen3-next-80b-a3b"]
+
+
+def record_run(model_name: str, gpu_name: str, trace: str, num_requests: int, pool: int,
+               max_seq_len: int) -> tuple[VllmPlan, list[list], list[list]]:
+    """A vllm-hybrid run's manager operations and its state after each one."""
+    import fragsim.hybrid as hybrid
+    from fragsim.simulate import RunSpec, load_workload, make_engine
+
+    ops: list[list] = []
+    states: list[list] = []
+
+    class Recording(hybrid.VllmHybridManager):
+        def _after(self, op: list, ok: bool, seq: int) -> None:
+            ops.append(op)
+            held = self.blocks_held(seq) if seq in self._live else [0] * len(self.rows)
+            states.append([ok, self.num_free_blocks(), held])
+
+        def allocate(self, seq_id: int, num_slots: int):  # type: ignore[no-untyped-def]
+            placed = super().allocate(seq_id, num_slots)
+            self._after(["a", seq_id, num_slots, self._final(seq_id)], placed is not None, seq_id)
+            return placed
+
+        def extend(self, seq_id: int, num_slots: int) -> bool:
+            q = self.num_requested(seq_id) + num_slots
+            ok = super().extend(seq_id, num_slots)
+            self._after(["e", seq_id, q], ok, seq_id)
+            return ok
+
+        def free(self, seq_id: int) -> None:
+            super().free(seq_id)
+            self._after(["f", seq_id], True, seq_id)
+
+    original = hybrid.VllmHybridManager
+    hybrid.VllmHybridManager = Recording  # type: ignore[misc]
+    try:
+        spec = RunSpec(trace=trace, model=model_name, gpu=gpu_name, max_seq_len=max_seq_len,
+                       num_requests=num_requests, kv_cache_memory_bytes=pool,
+                       tp=8 if get_model(model_name).weight_bytes > 100e9 else 1)
+        engine = make_engine(load_workload(spec), "vllm-hybrid", spec)
+        engine.run()
+    finally:
+        hybrid.VllmHybridManager = original  # type: ignore[misc]
+    return engine.alloc.plan, ops, states  # type: ignore[attr-defined]
+
+
+def compare_replay(ours: list[list], theirs: list[list], ops: list[list]) -> list[str]:
+    bad: list[str] = []
+    pending: set[int] = set()
+    for i, (op, a, b) in enumerate(zip(ops, ours, theirs, strict=True)):
+        seq = op[1]
+        if op[0] == "e":
+            if a[0]:
+                pending.discard(seq)
+            else:
+                pending.add(seq)
+        elif op[0] == "f":
+            pending.discard(seq)
+        if a[0] != b[0] or a[2] != b[2] or (not pending and a[1] != b[1]):
+            bad.append(f"op {i} {op}: fragsim {a} != vLLM {b}")
+            if len(bad) >= 5:
+                break
+    return bad
+
+
+def trace_main(args: argparse.Namespace) -> int:
+    failures = 0
+    for name in args.model or TRACE_MODELS:
+        plan, ops, states = record_run(name, args.gpu, args.trace, args.num_requests,
+                                       int(args.memory_gib * 2**30), args.max_model_len)
+        model = get_model(name)
+        tp = 8 if model.weight_bytes > 100e9 else 1
+        inp = reference_input(model, plan, tp)
+        inp["seq_lens"] = []
+        inp["ops"] = ops
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(inp, f)
+        run = subprocess.run([args.vllm_python, str(HERE / "vllm_reference.py"), f.name],
+                             capture_output=True, text=True)
+        if run.returncode:
+            print(f"ERROR {name}: {run.stderr.strip().splitlines()[-1]}")
+            failures += 1
+            continue
+        ref = json.loads(run.stdout)
+        bad = compare(plan, ref) + compare_replay(states, ref["replay"], ops)
+        failures += bool(bad)
+        failed = sum(1 for s in states if not s[0])
+        print(f"{'ok  ' if not bad else 'DIFF'} {name} on {args.trace} ({args.num_requests} requests, "
+              f"{args.memory_gib:g} GiB): {len(ops):,} operations, {failed:,} refused for lack of "
+              f"blocks, {len(plan.groups)} groups" + "".join(f"\n     {b}" for b in bad))
+    return 1 if failures else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-python", required=True, help="python of a virtualenv with vllm==0.33.0")
@@ -85,7 +187,11 @@ def main() -> int:
     ap.add_argument("--gpu", default="h200-141gb")
     ap.add_argument("--memory-gib", type=float, default=40.0, help="KV cache memory (default 40)")
     ap.add_argument("--max-model-len", type=int, default=32768)
+    ap.add_argument("--trace", help="replay a vllm-hybrid run on this trace through vLLM's manager")
+    ap.add_argument("--num-requests", type=int, default=300, help="with --trace (default 300)")
     args = ap.parse_args()
+    if args.trace:
+        return trace_main(args)
     gpu = get_gpu(args.gpu)
     failures = 0
     for name in args.model or MODELS:

@@ -226,6 +226,59 @@ def blocks_held(kv_cache_config, vllm_config, hash_block_size, sched_block_size,
     return counts
 
 
+def replay(kv_cache_config, vllm_config, hash_block_size, sched_block_size, ops):
+    """One KVCacheManager through a run's operations, as fragsim's hybrid engine made them:
+    ["a", req, n, final]  a new request; allocate_slots(req, n) with nothing computed
+    ["e", req, q]         num_computed_tokens = q - 1; allocate_slots(req, 1)
+    ["f", req]            free(req)
+    Per operation: [allocated?, free blocks, non-null blocks per group of req]."""
+    cc = vllm_config.cache_config
+    mgr = KVCacheManager(
+        kv_cache_config=kv_cache_config,
+        max_model_len=vllm_config.model_config.max_model_len,
+        max_in_flight_tokens=vllm_config.max_in_flight_tokens,
+        enable_caching=False,
+        use_eagle=False,
+        num_hash_lookahead_tokens=0,
+        num_prefill_lookahead=0,
+        log_stats=False,
+        enable_kv_cache_events=False,
+        dcp_world_size=1,
+        pcp_world_size=1,
+        scheduler_block_size=sched_block_size,
+        hash_block_size=hash_block_size,
+        watermark=0.0,
+        enable_mamba_shared_prefix_checkpoint=cc.enable_mamba_shared_prefix_checkpoint,
+    )
+    reqs = {}
+    out = []
+    for op in ops:
+        kind, rid = op[0], op[1]
+        ok = True
+        if kind == "a":
+            n, final = op[2], op[3]
+            req = Request(request_id=str(rid), prompt_token_ids=[(7 * t + 3) % 30000 + 1 for t in range(final)],
+                          sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                          block_hasher=None)
+            ok = mgr.allocate_slots(req, n) is not None
+            if ok:
+                req.status = RequestStatus.RUNNING
+                reqs[rid] = req
+        elif kind == "e":
+            req = reqs[rid]
+            req.num_computed_tokens = op[2] - 1
+            req.num_in_flight_tokens = 0
+            ok = mgr.allocate_slots(req, 1) is not None
+        else:
+            mgr.free(reqs.pop(rid))
+        counts = []
+        for m in mgr.coordinator.single_type_managers:
+            blocks = m.req_to_blocks.get(str(rid), []) if rid in reqs else []
+            counts.append(sum(1 for b in blocks if not b.is_null))
+        out.append([ok, mgr.block_pool.get_num_free_blocks(), counts])
+    return out
+
+
 def main():
     logging.disable(logging.WARNING)
     inp = json.load(open(sys.argv[1]))
@@ -315,6 +368,8 @@ def main():
         result["blocks_per_seq"][str(L)] = blocks_held(
             sched_cfg, vllm_config, hash_bs, sched_bs, L
         )
+    if inp.get("ops"):
+        result["replay"] = replay(sched_cfg, vllm_config, hash_bs, sched_bs, inp["ops"])
     print(json.dumps(result))
 
 
