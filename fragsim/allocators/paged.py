@@ -22,14 +22,29 @@ FIFO rather than LIFO spreads reuse over the whole pool, as the real system does
 The queue is a list and a head index rather than a deque: taking ``k`` blocks is
 one slice, which keeps allocate O(1) per block at C speed. The consumed prefix
 is dropped once it is more than half the list, so memory stays O(num_blocks).
-Each sequence's BlockTable is built when its blocks change and kept beside its
-requested count in one ``[requested, table]`` entry, so ``placement()``, which the
-GPU side calls every step, costs nothing, and ``free()`` is one dict pop.
+
+Each sequence has one ``[requested, blocks]`` entry, so ``free()`` is one dict
+pop. ``blocks`` is the sequence's BlockTable while nothing has changed since one
+was built (``allocate`` returns one, ``placement`` builds one), and a plain list of
+block ids once ``extend`` has appended to it: a decoding sequence takes a block
+every ``block_size`` tokens, and rebuilding an immutable table of up to
+``max_seq_len / block_size`` ids at every one of them made a long run's growth
+quadratic. So ``extend`` appends in place, and ``placement()``, which the GPU side
+calls every step, builds the table once per change and caches it in the entry.
+What a sequence owns is ``ceil(requested / block_size)`` whole blocks, whichever
+form its ids take.
+
+:meth:`PagedAllocator.extend_many` extends many sequences in one call, all or
+none: the engine grows every decoding sequence that needs a block each step, and
+one call that checks the free count once costs a fraction of one ``extend`` each.
+It hands out blocks in exactly the order the same ``extend`` calls one by one would.
 """
 
 from __future__ import annotations
 
-from fragsim.allocators.base import AllocatorCore, BlockTable, new_block_table, whole_blocks
+from collections.abc import Sequence
+
+from fragsim.allocators.base import AllocatorCore, BlockTable, whole_blocks
 
 _tuple_new = tuple.__new__
 
@@ -43,6 +58,7 @@ class PagedAllocator(AllocatorCore):
         "_queue",
         "_head",
         "_seqs",
+        "_own_extend",
     )
 
     def __init__(
@@ -61,8 +77,12 @@ class PagedAllocator(AllocatorCore):
                             grows_on_demand=True)
         self._queue: list[int] = list(range(self.num_blocks))
         self._head = 0  # free blocks are self._queue[self._head:]
-        # seq_id -> [requested slots, block table]: one dict, so free() is one pop
+        # seq_id -> [requested slots, BlockTable or list of block ids]: one dict, so
+        # free() is one pop (see the module docstring for the two forms)
         self._seqs: dict[int, list] = {}
+        # A subclass that checks its extends (vmm: the virtual range) keeps its checks
+        # in extend_many, which then goes through its extend.
+        self._own_extend = type(self).extend is PagedAllocator.extend
 
     def rounded(self, num_slots: int) -> int:
         if num_slots < 1:
@@ -98,20 +118,99 @@ class PagedAllocator(AllocatorCore):
             raise ValueError(f"extend of unknown sequence {seq_id}")
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        requested, table = entry
+        requested = entry[0]
         total = requested + num_slots
-        missing = -(-total // self.block_size) - len(table.block_ids)
+        block_size = self.block_size
+        missing = -(-total // block_size) + (-requested // block_size)
         if missing > 0:
             head = self._head
             end = head + missing
-            if end > len(self._queue):
+            queue = self._queue
+            if end > len(queue):
                 return False
-            entry[1] = new_block_table(
-                self.block_size, table.block_ids + tuple(self._queue[head:end])
-            )
+            ids = entry[1]
+            if type(ids) is not list:
+                ids = entry[1] = list(ids[1])  # a table: its ids, to append to in place
+            if missing == 1:
+                ids.append(queue[head])
+            else:
+                ids += queue[head:end]
             self._head = end
         entry[0] = total
         return True
+
+    def extend_many(self, seq_ids: Sequence[int], num_slots: Sequence[int]) -> list[int] | None:
+        """``extend(seq_ids[i], num_slots[i])`` for every ``i`` in order, all of them or none.
+
+        Returns the slots each sequence owns right after its own extend, or None, with
+        nothing changed, when the free blocks do not cover them all (the extends one by
+        one would then fail at some point). A sequence may be named more than once.
+        """
+        if not self._own_extend:
+            return self._extend_each(seq_ids, num_slots)
+        seqs, block_size = self._seqs, self.block_size
+        queue, head = self._queue, self._head
+        free_end = len(queue)
+        owned = []
+        for i, (seq_id, n) in enumerate(zip(seq_ids, num_slots, strict=True)):
+            entry = seqs.get(seq_id)
+            if entry is None or n < 1:
+                self._undo(seq_ids[:i], num_slots[:i])
+                if entry is None:
+                    raise ValueError(f"extend of unknown sequence {seq_id}")
+                raise ValueError(f"num_slots must be >= 1, got {n}")
+            requested = entry[0]
+            total = requested + n
+            blocks = -(-total // block_size)
+            missing = blocks + (-requested // block_size)
+            if missing > 0:
+                if head + missing > free_end:
+                    self._undo(seq_ids[:i], num_slots[:i])
+                    return None
+                ids = entry[1]
+                if type(ids) is not list:
+                    ids = entry[1] = list(ids[1])  # a table: its ids, to append to in place
+                if missing == 1:
+                    ids.append(queue[head])
+                else:
+                    ids += queue[head : head + missing]
+                head += missing
+                self._head = head
+            entry[0] = total
+            owned.append(blocks * block_size)
+        return owned
+
+    def _undo(self, seq_ids: Sequence[int], num_slots: Sequence[int]) -> None:
+        """Take back extends that ran, last first: their blocks return to the head."""
+        block_size = self.block_size
+        for seq_id, n in zip(reversed(seq_ids), reversed(num_slots), strict=True):
+            entry = self._seqs[seq_id]
+            total = entry[0]
+            requested = total - n
+            extra = -(-total // block_size) + (-requested // block_size)
+            if extra:
+                del entry[1][-extra:]  # a list: the extend that took them made it one
+                self._head -= extra
+            entry[0] = requested
+
+    def _extend_each(self, seq_ids: Sequence[int], num_slots: Sequence[int]) -> list[int] | None:
+        """extend_many through a subclass's own extend (its checks kept): the blocks are
+        counted first, so that none of the extends can fail once they start."""
+        block_size = self.block_size
+        after: dict[int, int] = {}  # requested by each sequence once its extends so far ran
+        need = 0
+        for seq_id, n in zip(seq_ids, num_slots, strict=True):
+            requested = after.get(seq_id, self.num_requested(seq_id))
+            after[seq_id] = requested + n
+            need += -(-(requested + n) // block_size) + (-requested // block_size)
+        if need > len(self._queue) - self._head:
+            return None
+        owned = []
+        for seq_id, n in zip(seq_ids, num_slots, strict=True):
+            if not self.extend(seq_id, n):
+                raise AssertionError(f"extend of {seq_id} failed with its blocks free")
+            owned.append(self.num_owned(seq_id))
+        return owned
 
     def free(self, seq_id: int) -> None:
         try:
@@ -119,7 +218,8 @@ class PagedAllocator(AllocatorCore):
         except KeyError:
             raise ValueError(f"free of unknown sequence {seq_id}") from None
         queue = self._queue
-        queue += entry[1][1]  # the table's block_ids
+        ids = entry[1]
+        queue += ids if type(ids) is list else ids[1]  # a table's block_ids
         head = self._head
         if head > 1024 and head > len(queue) >> 1:
             del queue[:head]
@@ -143,7 +243,11 @@ class PagedAllocator(AllocatorCore):
         return self._queue[self._head :]
 
     def placement(self, seq_id: int) -> BlockTable:
-        return self._entry(seq_id)[1]
+        entry = self._entry(seq_id)
+        ids = entry[1]
+        if type(ids) is list:  # extended since the last table: build it once, keep it
+            ids = entry[1] = _tuple_new(BlockTable, (self.block_size, tuple(ids)))
+        return ids
 
     def _entry(self, seq_id: int) -> list:
         entry = self._seqs.get(seq_id)
@@ -152,7 +256,10 @@ class PagedAllocator(AllocatorCore):
         return entry
 
     def num_owned(self, seq_id: int) -> int:
-        return len(self._entry(seq_id)[1].block_ids) * self.block_size
+        entry = self._seqs.get(seq_id)
+        if entry is None:
+            raise ValueError(f"unknown sequence {seq_id}")
+        return -(-entry[0] // self.block_size) * self.block_size
 
     def num_requested(self, seq_id: int) -> int:
         return self._entry(seq_id)[0]
@@ -167,11 +274,13 @@ class PagedAllocator(AllocatorCore):
         assert len(set(free)) == len(free), f"free list has duplicates: {sorted(free)}"
         seen = set(free)
         owned = 0
-        for seq_id, (requested, table) in self._seqs.items():
-            ids = table.block_ids
-            assert isinstance(table, BlockTable) and table.block_size == self.block_size, (
-                f"seq {seq_id}: table {table!r} is not a BlockTable of block size {self.block_size}"
+        for seq_id, (requested, held) in self._seqs.items():
+            assert type(held) is list or (isinstance(held, BlockTable)
+                                          and held.block_size == self.block_size), (
+                f"seq {seq_id}: {held!r} is neither a list of block ids nor a BlockTable "
+                f"of block size {self.block_size}"
             )
+            ids = held if isinstance(held, list) else held.block_ids
             shared = seen.intersection(ids)
             assert not shared and len(set(ids)) == len(ids), (
                 f"seq {seq_id}: blocks {sorted(shared) or ids} are also free or held twice"
