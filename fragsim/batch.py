@@ -13,64 +13,137 @@ preemption victim).
 A row is one *sequence*: ``seq`` is its id with the allocator. A request decodes
 one sequence, whose id is the request's own, unless it samples several or
 searches a beam (:mod:`fragsim.sharing`): then several rows share one ``req``.
+
+The six columns are the rows of one ``[6, capacity]`` array (``req``, ``seq``, ...
+are views of its rows), so that removing rows, or reading every column of a few
+rows (:meth:`DecodeBatch.columns`), is one numpy call rather than six: a batch of
+a few dozen rows is small enough that the per-call cost is most of the cost.
+
+Two sums the engine needs every step are kept as rows come and go:
+:meth:`~DecodeBatch.offset_sum` (so the tokens the batch holds are
+``offset_sum() + n·g``) and :meth:`~DecodeBatch.end_min`, the ``g`` at which the
+first row completes (``final − offset`` is fixed for a row's life). Rows change
+only through ``add``, ``remove``, ``remove_rows`` and ``clear``: ``offset`` and
+``final`` are never written in place (``owned`` and ``requested`` are, by growth),
+and a batch whose ``n`` was set from outside recomputes both sums on first use.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+#: the columns, in the order of the rows of the backing array
+COLUMNS = ("req", "seq", "offset", "owned", "requested", "final")
+_NO_END = 1 << 62  # end_min of an empty batch
+
 
 class DecodeBatch:
     """Struct of arrays over the sequences in their decode phase."""
 
-    __slots__ = ("n", "req", "seq", "offset", "owned", "requested", "final", "_cap")
+    __slots__ = ("n", "req", "seq", "offset", "owned", "requested", "final", "_cap", "_data",
+                 "_sums_n", "_offset_sum", "_end_min")
 
     def __init__(self, capacity: int = 64) -> None:
         self._cap = capacity
         self.n = 0
-        self.req = np.zeros(capacity, dtype=np.int64)        # request index == arrival rank
-        self.seq = np.zeros(capacity, dtype=np.int64)        # the allocator's sequence id
-        self.offset = np.zeros(capacity, dtype=np.int64)     # filled = offset + g
-        self.owned = np.zeros(capacity, dtype=np.int64)      # slots held (allocator's rounding)
-        self.requested = np.zeros(capacity, dtype=np.int64)  # slots asked of the allocator
-        self.final = np.zeros(capacity, dtype=np.int64)      # prompt + output
+        self._set_data(np.zeros((len(COLUMNS), capacity), dtype=np.int64))
+        self._sums_at(0, 0, _NO_END)
+
+    def _set_data(self, data: np.ndarray) -> None:
+        self._data = data
+        self.req = data[0]        # request index == arrival rank
+        self.seq = data[1]        # the allocator's sequence id
+        self.offset = data[2]     # filled = offset + g
+        self.owned = data[3]      # slots held (allocator's rounding)
+        self.requested = data[4]  # slots asked of the allocator
+        self.final = data[5]      # prompt + output
 
     def _grow(self) -> None:
         self._cap *= 2
-        for name in ("req", "seq", "offset", "owned", "requested", "final"):
-            old = getattr(self, name)
-            new = np.zeros(self._cap, dtype=old.dtype)
-            new[: self.n] = old[: self.n]
-            setattr(self, name, new)
+        data = np.zeros((len(COLUMNS), self._cap), dtype=np.int64)
+        data[:, : self.n] = self._data[:, : self.n]
+        self._set_data(data)
+
+    def _sums_at(self, n: int, offset_sum: int, end_min: int | None) -> None:
+        """The kept sums are those of the first ``n`` rows (``end_min`` None: to recompute)."""
+        self._sums_n = n
+        self._offset_sum = offset_sum
+        self._end_min = end_min
 
     def add(self, req: int, filled: int, g: int, owned: int, requested: int, final: int,
             seq: int | None = None) -> None:
         if self.n == self._cap:
             self._grow()
         i = self.n
+        offset = filled - g
         self.req[i] = req
         self.seq[i] = req if seq is None else seq
-        self.offset[i] = filled - g
+        self.offset[i] = offset
         self.owned[i] = owned
         self.requested[i] = requested
         self.final[i] = final
-        self.n += 1
+        self.n = i + 1
+        if self._sums_n == i:
+            self._sums_n = i + 1
+            self._offset_sum += offset
+            end_min = self._end_min
+            if end_min is not None and final - offset < end_min:
+                self._end_min = final - offset
+        else:
+            self._sums_n = -1
 
     def remove(self, row: int) -> None:
         """Swap-remove ``row`` (the last row takes its place)."""
         last = self.n - 1
+        valid = self._sums_n == self.n
+        gone = int(self.offset[row])
         if row != last:
-            for arr in (self.req, self.seq, self.offset, self.owned, self.requested, self.final):
-                arr[row] = arr[last]
+            data = self._data
+            data[:, row] = data[:, last]
         self.n = last
+        if valid:
+            self._sums_at(last, self._offset_sum - gone, None)
+        else:
+            self._sums_at(-1, 0, None)
 
     def remove_rows(self, rows: np.ndarray) -> None:
+        """Remove ``rows``; the others keep their order."""
         keep = np.ones(self.n, dtype=bool)
         keep[rows] = False
-        m = int(keep.sum())
-        for arr in (self.req, self.seq, self.offset, self.owned, self.requested, self.final):
-            arr[:m] = arr[: self.n][keep]
+        kept = self._data[:, : self.n][:, keep]
+        m = kept.shape[1]
+        self._data[:, :m] = kept
         self.n = m
+        self._sums_at(m, int(kept[2].sum()), None)
+
+    def clear(self) -> None:
+        """Remove every row."""
+        self.n = 0
+        self._sums_at(0, 0, _NO_END)
+
+    def _recompute(self) -> None:
+        n = self.n
+        offset = self.offset[:n]
+        self._sums_at(n, int(offset.sum()), int((self.final[:n] - offset).min()) if n else _NO_END)
+
+    def offset_sum(self) -> int:
+        """Σ offset over the rows: they hold ``offset_sum() + n·g`` tokens."""
+        if self._sums_n != self.n:
+            self._recompute()
+        return self._offset_sum
+
+    def end_min(self) -> int:
+        """The step count ``g`` at which the first row completes: min(final − offset)
+        (a huge number when the batch is empty)."""
+        if self._sums_n != self.n or self._end_min is None:
+            self._recompute()
+        assert self._end_min is not None
+        return self._end_min
+
+    def columns(self, rows: np.ndarray | list[int]) -> list[list[int]]:
+        """Every column at ``rows``, as lists in :data:`COLUMNS` order (one numpy call)."""
+        result: list[list[int]] = self._data[:, rows].tolist()
+        return result
 
     def row_of(self, req: int) -> int:
         rows = np.flatnonzero(self.req[: self.n] == req)

@@ -56,7 +56,7 @@ def static_step(engine: EngineState) -> float:
             engine.alloc.free(req)
             engine._take(req, int(b.owned[row]), -1)
             engine._finish(req)
-        b.n = 0
+        b.clear()
         engine._static_running = False
     engine._quiet = engine._static_running
     if engine.observer is not None:
