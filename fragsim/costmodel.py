@@ -19,13 +19,18 @@ Two models:
   per layer of the step's activations over ``tp_comm_bandwidth``.
 
 Every model evaluates :meth:`CostModel.decode_step_times` on a whole array of
-consecutive decode-only steps; the engine's exact mode calls the same method with
-arrays of one element, so both modes see bit-identical step times.
+consecutive decode-only steps; the engine's exact mode evaluates one step at a
+time, with the models' ``decode_step_time`` where they have one (plain floats: a
+step is a few microseconds of arithmetic, and an array of one element costs more
+than the arithmetic), else the same method with arrays of one element. Scalar and
+array evaluations are the same operations in the same order, so both modes see
+bit-identical step times (tests check).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -68,6 +73,10 @@ class FixedCostModel:
 
     def decode_step_times(self, num_decode: int, decode_context: np.ndarray) -> np.ndarray:
         return np.full(len(decode_context), float(self.step_time_s))
+
+    def decode_step_time(self, num_decode: int, decode_context: int) -> float:
+        """One decode-only step (:meth:`decode_step_times` of one element, as a float)."""
+        return float(self.step_time_s)
 
     def to_dict(self) -> dict[str, object]:
         return {"cost_model": self.name, "step_time_s": self.step_time_s}
@@ -123,24 +132,30 @@ class RooflineCostModel:
         nbytes = 2 * m.num_layers * tokens * m.hidden_size * m.dtype_bytes * 2 * (self.tp - 1) / self.tp
         return nbytes / self.tp_comm_bandwidth
 
+    @cached_property
+    def _coefficients(self) -> tuple[float, float, float, float, float, float]:
+        """What every step time needs from the model and the GPU, computed once: FLOPs per
+        token, attention FLOPs per unit, weight bytes, KV bytes per token, FLOP/s, bytes/s."""
+        m = self.model
+        return (2.0 * m.num_params, self._attention_flops_per_unit(), float(m.weight_bytes),
+                float(m.kv_bytes_per_token), self._flop_rate, self._byte_rate)
+
     def _times(self, tokens: np.ndarray | int, attention_units: np.ndarray | int,
                context: np.ndarray | int) -> np.ndarray:
-        m = self.model
-        flops = 2.0 * m.num_params * np.asarray(tokens, dtype=np.float64) \
-            + self._attention_flops_per_unit() * np.asarray(attention_units, dtype=np.float64)
-        nbytes = float(m.weight_bytes) + float(m.kv_bytes_per_token) * np.asarray(context, dtype=np.float64)
-        compute = flops / self._flop_rate
-        memory = nbytes / self._byte_rate
+        per_token, per_unit, weight_bytes, kv_bytes, flop_rate, byte_rate = self._coefficients
+        flops = per_token * np.asarray(tokens, dtype=np.float64) \
+            + per_unit * np.asarray(attention_units, dtype=np.float64)
+        nbytes = weight_bytes + kv_bytes * np.asarray(context, dtype=np.float64)
+        compute = flops / flop_rate
+        memory = nbytes / byte_rate
         return self.overhead_s + np.maximum(compute, memory) + self._comm_time(np.asarray(tokens))
 
     def _time(self, tokens: int, attention_units: int, context: int) -> float:
         """:meth:`_times` for one step in plain Python floats: the same operations in the
         same order, so the result is bit-identical to the array version (tests check)."""
-        m = self.model
-        flops = 2.0 * m.num_params * float(tokens) + self._attention_flops_per_unit() * float(attention_units)
-        nbytes = float(m.weight_bytes) + float(m.kv_bytes_per_token) * float(context)
-        compute = flops / self._flop_rate
-        memory = nbytes / self._byte_rate
+        per_token, per_unit, weight_bytes, kv_bytes, flop_rate, byte_rate = self._coefficients
+        compute = (per_token * float(tokens) + per_unit * float(attention_units)) / flop_rate
+        memory = (weight_bytes + kv_bytes * float(context)) / byte_rate
         comm = 0.0
         if self.tp > 1:
             comm = float(np.asarray(self._comm_time(np.array([tokens])))[0])
@@ -157,6 +172,10 @@ class RooflineCostModel:
             return np.array([self._time(num_decode, ctx, ctx)])
         tokens = np.full(len(decode_context), num_decode)
         return self._times(tokens, decode_context, decode_context)
+
+    def decode_step_time(self, num_decode: int, decode_context: int) -> float:
+        """One decode-only step (:meth:`decode_step_times` of one element, as a float)."""
+        return self._time(num_decode, decode_context, decode_context)
 
     def to_dict(self) -> dict[str, object]:
         return {
