@@ -32,6 +32,7 @@ step, so a beam-search run goes step by step in both modes.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,6 +117,11 @@ class Engine:
         self.cost = cost_model
         self.progress = progress
         self.grows = bool(allocator.grows_on_demand)
+        # Optional fast paths; anything that implements only the protocols goes without.
+        self._extend_many: Callable[[list[int], list[int]], list[int] | None] | None = \
+            getattr(allocator, "extend_many", None)
+        self._decode_step_time: Callable[[int, int], float] | None = \
+            getattr(cost_model, "decode_step_time", None)
         self.block_size = int(getattr(allocator, "block_size", 1) or 1)
         self.capacity = int(allocator.capacity)
         self.rec = Recorder(self.capacity, config.timeseries_resolution_s,
@@ -299,28 +305,47 @@ class Engine:
     def _rows_needing_room(self) -> np.ndarray:
         """Decoding rows whose next token does not fit in what they own, in request order."""
         b = self.batch
-        need = np.flatnonzero(b.offset[: b.n] + (self.g + 1) > b.owned[: b.n])
+        need = (b.offset[: b.n] + (self.g + 1) > b.owned[: b.n]).nonzero()[0]
         if len(need) > 1:
-            need = need[np.argsort(b.req[need], kind="stable")]
+            need = need[b.req[need].argsort(kind="stable")]
         return need
 
     def _grow_decoders(self) -> None:
-        """Room for this step's token in every decoding sequence (paged: maybe a block)."""
+        """Room for this step's token in every decoding sequence (paged: maybe a block).
+
+        Rows grow in request order. An allocator with ``extend_many`` (all or none)
+        grows them all in one call; when it cannot, or has no such method, they grow
+        one by one until one fails, the latest-arrived running request is preempted,
+        and the rows that still need room are worked out anew. Both orders take the
+        same blocks: the one call succeeds exactly when no single extend would fail.
+        """
         b = self.batch
-        extend, num_owned = self.alloc.extend, self.alloc.num_owned
+        extend, num_owned, extend_many = self.alloc.extend, self.alloc.num_owned, self._extend_many
         while True:
             need = self._rows_needing_room()
             if len(need) == 0:
                 return
-            for row, req, seq, offset, owned, requested in zip(
-                    need.tolist(), b.req[need].tolist(), b.seq[need].tolist(), b.offset[need].tolist(),
-                    b.owned[need].tolist(), b.requested[need].tolist(), strict=True):
-                target = offset + self.g + 1
-                if extend(seq, target - requested):
+            reqs, seqs, offsets, owned, requested, finals = b.columns(need)
+            g1 = self.g + 1
+            targets = [offset + g1 for offset in offsets]
+            if extend_many is not None:
+                new = extend_many(seqs, [t - r for t, r in zip(targets, requested, strict=True)])
+                if new is not None:
+                    b.owned[need] = new
+                    b.requested[need] = targets
+                    self.owned_total += sum(new) - sum(owned)
+                    # max(0, new − final) − max(0, old − final), with new >= old
+                    self.internal_total += sum(
+                        nw - (old if old > final else final)
+                        for nw, old, final in zip(new, owned, finals, strict=True) if nw > final)
+                    return
+            for row, req, seq, target, old, asked in zip(
+                    need.tolist(), reqs, seqs, targets, owned, requested, strict=True):
+                if extend(seq, target - asked):
                     new_owned = num_owned(seq)
                     final = int(self.final[req])
-                    self.owned_total += new_owned - owned
-                    self.internal_total += max(0, new_owned - final) - max(0, owned - final)
+                    self.owned_total += new_owned - old
+                    self.internal_total += max(0, new_owned - final) - max(0, old - final)
                     b.owned[row] = new_owned
                     b.requested[row] = target
                 else:
@@ -385,7 +410,7 @@ class Engine:
         for p in self.prefilling:
             if self._budget <= 0:
                 break
-            if all(p is not q for q, _ in self._chunks):
+            if not self._chunks or all(p is not q for q, _ in self._chunks):
                 chunk = min(self._budget, p.target - p.done)
                 self._chunks.append((p, chunk))
                 self._budget -= chunk
@@ -394,13 +419,16 @@ class Engine:
 
         b = self.batch
         n = b.n
-        decode_context = int(b.offset[:n].sum()) + n * self.g
+        decode_context = b.offset_sum() + n * self.g
         if self._chunks or self._step_extra:
             tokens = sum(c for _, c in self._chunks)
             units = sum(c * p.done + c * (c - 1) // 2 for p, c in self._chunks)
             dt = self.cost.step_time(tokens, units, n, decode_context) + self._step_extra
         elif n:
-            dt = float(self.cost.decode_step_times(n, np.array([decode_context]))[0])
+            if self._decode_step_time is not None:
+                dt = self._decode_step_time(n, decode_context)
+            else:
+                dt = float(self.cost.decode_step_times(n, np.array([decode_context]))[0])
         else:
             return 0.0
         self._record_step(dt, decode_context)
@@ -419,7 +447,9 @@ class Engine:
 
     def _record_step(self, dt: float, decode_context: int) -> None:
         """The split held during this step (``decode_context``: tokens the decode rows hold)."""
-        token_states = decode_context + sum(p.done for p in self.prefilling)
+        token_states = decode_context
+        if self.prefilling:
+            token_states += sum(p.done for p in self.prefilling)
         owned = self.owned_total
         if self.shared_total:
             token_states -= self._dup_filled()
@@ -439,18 +469,21 @@ class Engine:
             self.prefilling.remove(p)
             req = p.req
             self.generated[req] += 1
-            if np.isnan(self.first_token[req]):
+            if math.isnan(self.first_token[req]):
                 self.first_token[req] = self.now
             self.batch.add(req, p.target + 1, g, p.owned, p.requested, int(self.final[req]))
         b = self.batch
+        if g < b.end_min():
+            return  # no row completes in this step
         n = b.n
-        done = np.flatnonzero(b.offset[:n] + g >= b.final[:n])
+        done = (b.offset[:n] + g >= b.final[:n]).nonzero()[0]
         if len(done):
-            for row in done:
-                req = int(b.req[row])
-                self.alloc.free(int(b.seq[row]))
-                self._take(req, int(b.owned[row]), -1)
-                if self.status[req] != FINISHED:  # several rows of one request end together
+            reqs, seqs, _, owned, _, _ = b.columns(done)
+            free, take, status = self.alloc.free, self._take, self.status
+            for req, seq, held in zip(reqs, seqs, owned, strict=True):
+                free(seq)
+                take(req, held, -1)
+                if status[req] != FINISHED:  # several rows of one request end together
                     self._finish(req)
             b.remove_rows(done)
             self._freed = True

@@ -9,6 +9,7 @@ nothing of the engine's module.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -52,6 +53,8 @@ class EngineState(Protocol):
     prefilling: list[Any]
     _next: int
     _quiet: bool
+    _extend_many: Callable[[list[int], list[int]], list[int] | None] | None
+    _decode_step_time: Callable[[int, int], float] | None
     _freed: bool
     _budget: int
     _step_extra: float

@@ -162,10 +162,13 @@ class Recorder:
         self._add(t, dt, [v * dt for v in values], values)
 
     def record_steps(self, t0: float, dts: np.ndarray, token_states: np.ndarray, owned: np.ndarray,
-                     internal: np.ndarray, largest: np.ndarray, running: int,
+                     internal: np.ndarray, largest: np.ndarray | None, running: int,
                      waiting: np.ndarray, shared: int = 0) -> None:
         """Consecutive states: state ``j`` starts at ``t0 + Σ dts[:j]`` and lasts ``dts[j]``
-        (``shared`` is constant over them: a stretch neither forks nor frees)."""
+        (``shared`` is constant over them: a stretch neither forks nor frees).
+
+        ``largest`` None: every free slot is allocatable (a paged pool), so the largest
+        allocatable is the free count and the external fragmentation ratio is 0."""
         if len(dts) == 0:
             return
         if shared:
@@ -173,18 +176,31 @@ class Recorder:
             self._peak_shared = max(self._peak_shared, shared)
         free = self.capacity - owned
         reservation = owned - token_states - internal
-        if int(reservation.min()) < 0 or int(free.min()) < 0 or int((free - largest).min()) < 0:
+        if int(reservation.min()) < 0 or int(free.min()) < 0 \
+                or (largest is not None and int((free - largest).min()) < 0):
             raise AssertionError(f"broken split in the stretch starting at t={t0}")
-        ratio = external_fragmentation_ratio(free, largest)
-        columns = (token_states, reservation, internal, free, ratio, largest)
-        integrals = [float(np.dot(c, dts)) for c in columns]
         span = float(dts.sum())
+        if largest is None:
+            # 1 − free / free is exactly 0.0 (and 0.0 by definition where nothing is free),
+            # so its integral and peak are 0.0; the free column serves as largest.
+            free_integral, free_peak = float(np.dot(free, dts)), float(free.max())
+            integrals = [float(np.dot(token_states, dts)), float(np.dot(reservation, dts)),
+                         float(np.dot(internal, dts)), free_integral, 0.0, free_integral]
+            peaks = [float(token_states.max()), float(reservation.max()), float(internal.max()),
+                     free_peak, 0.0, free_peak]
+        else:
+            ratio = external_fragmentation_ratio(free, largest)
+            columns = (token_states, reservation, internal, free, ratio, largest)
+            integrals = [float(np.dot(c, dts)) for c in columns]
+            peaks = [float(c.max()) for c in columns]
         integrals += [running * span, float(np.dot(waiting, dts))]
-        peaks = [float(c.max()) for c in columns] + [running, float(np.max(waiting))]
+        peaks += [running, float(np.max(waiting))]
         if self.resolution_s is not None:
             first = int(t0 // self.resolution_s)
             if int((t0 + span) // self.resolution_s) != first:
                 # Spans several buckets: attribute each step to the bucket it starts in.
+                if largest is None:
+                    columns = (token_states, reservation, internal, free, np.zeros(len(dts)), free)
                 starts = t0 + np.concatenate(([0.0], np.cumsum(dts)[:-1]))
                 index = (starts // self.resolution_s).astype(np.int64)
                 full = np.vstack([np.asarray(c, dtype=np.float64) for c in columns]

@@ -19,9 +19,16 @@ whole stretch, its memory split per step from the decode batch's arrays.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from fragsim.engine_state import EngineState
+
+#: stretches of at most this many steps get their step times one by one, in plain floats
+#: (the cost model's ``decode_step_time``): most stretches are a handful of steps long,
+#: where a dozen numpy calls on arrays of a few elements cost more than the arithmetic
+SHORT = 32
 
 
 def jump(engine: EngineState) -> float:
@@ -30,54 +37,84 @@ def jump(engine: EngineState) -> float:
     n = b.n
     if n == 0 or not engine._quiet or cfg.exact_steps:
         return 0.0
-    g = engine.g
-    filled0 = b.offset[:n] + g
-    k = min(int((b.final[:n] - filled0).min()) - 1, cfg.max_jump_steps)
-    if k <= 0:
-        return 0.0
-    ctx = int(filled0.sum()) + n * np.arange(k, dtype=np.int64)
-    dts = engine.cost.decode_step_times(n, ctx)
-    starts = np.cumsum(np.concatenate(([engine.now], dts)))
-    if not engine.waiting and not engine.swapped:
+    now = engine.now
+    # While requests wait the queue head is blocked and arrivals change nothing; else the
+    # stretch stops at the first step that starts once the next servable request is in.
+    watch = not engine.waiting and not engine.swapped
+    arrive = math.inf
+    if watch:
         nxt = int(engine.next_servable[engine._next])
         if nxt < engine.N:
-            hit = np.flatnonzero(engine.arrival[nxt] <= starts[:k])
-            if len(hit):
-                k = int(hit[0])
+            arrive = float(engine.arrival[nxt])
+            if arrive <= now:
+                return 0.0  # it arrived during the last step: that step runs exactly
+    g = engine.g
+    # Stop before the first completion: row r completes when g reaches final − offset.
+    k = min(b.end_min() - g - 1, cfg.max_jump_steps)
+    if k <= 0:
+        return 0.0
+    ctx0 = b.offset_sum() + n * g
+    step_time = engine._decode_step_time
+    if k <= SHORT and step_time is not None:
+        # Step j starts at starts[j] (a running sum, as np.cumsum adds) and reads
+        # ctx0 + n·j tokens; stop at the first step that starts once the request is in.
+        starts, times = [now], []
+        t = now
+        for j in range(k):
+            if arrive <= t:
+                k = j
+                break
+            dt = step_time(n, ctx0 + n * j)
+            times.append(dt)
+            t += dt
+            starts.append(t)
+        dts = np.array(times)
+    else:
+        ctx = ctx0 + n * np.arange(k, dtype=np.int64)
+        dts = engine.cost.decode_step_times(n, ctx)
+        starts_arr = np.cumsum(np.concatenate(([now], dts)))
+        if arrive <= starts_arr[k - 1]:
+            k = int(np.flatnonzero(arrive <= starts_arr[:k])[0])
+        starts = starts_arr.tolist()
     if cfg.queue_timeout_s is not None:
         first = next((r for r in engine.waiting if engine.preemptions[r] == 0), None)
         if first is not None:
-            hit = np.flatnonzero(starts[:k] - engine.arrival[first] > cfg.queue_timeout_s)
-            if len(hit):
-                k = int(hit[0])
+            since, timeout = float(engine.arrival[first]), cfg.queue_timeout_s
+            k = next((j for j in range(k) if starts[j] - since > timeout), k)
     if k <= 0:
         return 0.0
     # Shared slots stay put during a stretch (nothing forks, frees or is admitted), and
     # every shared block is full: Σ owned and Σ filled both count them `shared` too often.
     shared = engine.shared_total
+    largest: np.ndarray | None
     if engine.grows:
-        k, owned_steps, internal_steps = jump_growth(engine, filled0, k)
+        k, owned_steps, internal_steps = jump_growth(engine, b.offset[:n] + g, k)
         if k <= 0:
             return 0.0
         if shared:
             owned_steps = owned_steps - shared
-        largest = engine.capacity - owned_steps
+        largest = None  # paged: every free slot is allocatable
     else:
         owned_steps = np.full(k, engine.owned_total, dtype=np.int64)
         internal_steps = np.full(k, engine.internal_total, dtype=np.int64)
         largest = np.full(k, engine.alloc.largest_allocatable(), dtype=np.int64)
-    token_states = ctx[:k] - shared if shared else ctx[:k]
-    pulled = np.searchsorted(engine.arrival, starts[:k], side="right")
-    waiting = len(engine.waiting) + len(engine.swapped) \
-        + engine.servable_cum[pulled] - engine.servable_cum[engine._next]
-    engine.rec.record_steps(engine.now, dts[:k], token_states, owned_steps, internal_steps,
-                          largest, n, waiting, shared)
+    dts = dts[:k]
+    token_states = np.arange(ctx0 - shared, ctx0 - shared + n * k, n, dtype=np.int64)
+    if watch:
+        # Nothing servable arrives before the stretch ends (that is where it stops).
+        waiting = np.zeros(k, dtype=np.int64)
+    else:
+        pulled = np.searchsorted(engine.arrival, starts[:k], side="right")
+        waiting = len(engine.waiting) + len(engine.swapped) \
+            + engine.servable_cum[pulled] - engine.servable_cum[engine._next]
+    engine.rec.record_steps(now, dts, token_states, owned_steps, internal_steps,
+                            largest, n, waiting, shared)
     engine.now = float(starts[k])
     engine.g += k
     engine.num_steps += k
     if cfg.check:
         engine._check()
-    return float(dts[:k].sum())
+    return float(dts.sum())
 
 def jump_growth(engine: EngineState, filled0: np.ndarray, k: int) -> tuple[int, np.ndarray, np.ndarray]:
     """Paged growth over ``k`` steps: the blocks each step takes, in exact-mode order.
@@ -89,6 +126,8 @@ def jump_growth(engine: EngineState, filled0: np.ndarray, k: int) -> tuple[int, 
     b, B = engine.batch, engine.block_size
     n = b.n
     j0 = b.owned[:n] - filled0
+    if k <= B:
+        return _growth_one_block_each(engine, j0, k)
     count = np.where(j0 < k, (k - j0 + B - 1) // B, 0)
     total = int(count.sum())
     if total == 0:
@@ -114,14 +153,71 @@ def jump_growth(engine: EngineState, filled0: np.ndarray, k: int) -> tuple[int, 
     owned_steps = engine.owned_total + B * np.cumsum(np.bincount(step, minlength=k))[:k]
     internal_steps = engine.internal_total + np.cumsum(
         np.bincount(step, weights=d_internal, minlength=k)).astype(np.int64)[:k]
-    extend = engine.alloc.extend
-    for i in order:
-        row = int(rows[i])
-        target = int(filled0[row]) + int(step[i]) + 1
-        if not extend(int(b.seq[row]), target - int(b.requested[row])):
-            raise AssertionError("paged growth failed inside a stretch that had room for it")
-        b.requested[row] = target
-        b.owned[row] += B
+    # The blocks in exact-mode order: step by step, rows in request order within a step.
+    # A row's first block asks for what it lacks, each later one for B more slots.
+    rows, within = rows[order], within[order]
+    targets = old[order] + 1
+    asked = np.where(within > 0, B, targets - b.requested[rows])
+    extend_many = engine._extend_many
+    if extend_many is not None:
+        grown = extend_many(b.seq[rows].tolist(), asked.tolist()) is not None
+    else:
+        extend = engine.alloc.extend
+        grown = all(extend(seq, n) for seq, n in zip(b.seq[rows].tolist(), asked.tolist(), strict=True))
+    if not grown:
+        raise AssertionError("paged growth failed inside a stretch that had room for it")
+    blocks = np.bincount(rows, minlength=n)
+    live_requested, live_owned = b.requested[:n], b.owned[:n]
+    np.copyto(live_requested, live_owned + (B * blocks - B + 1), where=blocks > 0)
+    live_owned += B * blocks
     engine.owned_total = int(owned_steps[-1])
     engine.internal_total = int(internal_steps[-1])
     return k, owned_steps, internal_steps
+
+
+def _growth_one_block_each(engine: EngineState, j0: np.ndarray, k: int) -> tuple[int, np.ndarray, np.ndarray]:
+    """:func:`jump_growth` over at most ``B`` steps, where no row takes a second block:
+    the rows that take one, in exact-mode order (by step, then by request), and the
+    per-step sums in plain ints (a short stretch grows a few rows)."""
+    b, B = engine.batch, engine.block_size
+    owned_total, internal_total = engine.owned_total, engine.internal_total
+    rows = (j0 < k).nonzero()[0]
+    if len(rows) == 0:
+        return k, np.full(k, owned_total, dtype=np.int64), np.full(k, internal_total, dtype=np.int64)
+    step = j0[rows]
+    free_blocks = (engine.capacity - owned_total + engine.shared_total) // B
+    if len(rows) > free_blocks:
+        # The first step whose blocks are not all free: the one the (free + 1)-th block
+        # in step order falls in. The stretch stops before it.
+        k = int(np.sort(step)[free_blocks])
+        if k == 0:
+            return 0, step[:0], step[:0]
+        keep = step < k
+        rows, step = rows[keep], step[keep]
+    order = (step * (int(b.req[: b.n].max()) + 1) + b.req[rows]).argsort(kind="stable")
+    rows, step = rows[order], step[order]
+    _, seqs, _, owned, requested, finals = b.columns(rows)
+    blocks, internal = [0] * k, [0] * k
+    for j, held, final in zip(step.tolist(), owned, finals, strict=True):
+        blocks[j] += 1
+        if held + B > final:  # the new block's tail is never filled: internal fragmentation
+            internal[j] += held + B - final - (held - final if held > final else 0)
+    asked = [held + 1 - asked for held, asked in zip(owned, requested, strict=True)]
+    extend_many = engine._extend_many
+    if extend_many is not None:
+        grown = extend_many(seqs, asked) is not None
+    else:
+        extend = engine.alloc.extend
+        grown = all(extend(seq, n) for seq, n in zip(seqs, asked, strict=True))
+    if not grown:
+        raise AssertionError("paged growth failed inside a stretch that had room for it")
+    b.requested[rows] = [held + 1 for held in owned]
+    b.owned[rows] = [held + B for held in owned]
+    owned_steps, internal_steps = [], []
+    for j in range(k):
+        owned_total += B * blocks[j]
+        internal_total += internal[j]
+        owned_steps.append(owned_total)
+        internal_steps.append(internal_total)
+    engine.owned_total, engine.internal_total = owned_total, internal_total
+    return k, np.array(owned_steps, dtype=np.int64), np.array(internal_steps, dtype=np.int64)
