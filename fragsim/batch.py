@@ -107,10 +107,29 @@ class DecodeBatch:
             self._sums_at(-1, 0, None)
 
     def remove_rows(self, rows: np.ndarray) -> None:
-        """Remove ``rows``; the others keep their order."""
-        keep = np.ones(self.n, dtype=bool)
+        """Remove ``rows`` (indices or a mask); the others keep their order."""
+        rows = np.asarray(rows)
+        if rows.dtype == bool:
+            rows = rows.nonzero()[0]
+        n = self.n
+        valid = self._sums_n == n
+        if len(rows) <= 4:
+            # A step completes a row or two: shifting the rows after each is cheaper
+            # than a compaction through a mask.
+            data, offset, gone = self._data, self.offset, 0
+            for row in sorted(set(rows.tolist()), reverse=True):
+                gone += int(offset[row])
+                data[:, row : n - 1] = data[:, row + 1 : n]
+                n -= 1
+            self.n = n
+            if valid:
+                self._sums_at(n, self._offset_sum - gone, None)
+            else:
+                self._sums_at(-1, 0, None)
+            return
+        keep = np.ones(n, dtype=bool)
         keep[rows] = False
-        kept = self._data[:, : self.n][:, keep]
+        kept = self._data[:, :n][:, keep]
         m = kept.shape[1]
         self._data[:, :m] = kept
         self.n = m
@@ -135,10 +154,13 @@ class DecodeBatch:
     def end_min(self) -> int:
         """The step count ``g`` at which the first row completes: min(final − offset)
         (a huge number when the batch is empty)."""
-        if self._sums_n != self.n or self._end_min is None:
+        if self._sums_n != self.n:
             self._recompute()
-        assert self._end_min is not None
-        return self._end_min
+        end_min = self._end_min
+        if end_min is None:
+            n = self.n
+            end_min = self._end_min = int((self.final[:n] - self.offset[:n]).min()) if n else _NO_END
+        return end_min
 
     def columns(self, rows: np.ndarray | list[int]) -> list[list[int]]:
         """Every column at ``rows``, as lists in :data:`COLUMNS` order (one numpy call)."""

@@ -333,11 +333,13 @@ class Engine:
                 if new is not None:
                     b.owned[need] = new
                     b.requested[need] = targets
-                    self.owned_total += sum(new) - sum(owned)
-                    # max(0, new − final) − max(0, old − final), with new >= old
-                    self.internal_total += sum(
-                        nw - (old if old > final else final)
-                        for nw, old, final in zip(new, owned, finals, strict=True) if nw > final)
+                    d_owned = d_internal = 0
+                    for now_owned, old, final in zip(new, owned, finals, strict=True):
+                        d_owned += now_owned - old
+                        if now_owned > final:  # max(0, new − final) − max(0, old − final)
+                            d_internal += now_owned - (old if old > final else final)
+                    self.owned_total += d_owned
+                    self.internal_total += d_internal
                     return
             for row, req, seq, target, old, asked in zip(
                     need.tolist(), reqs, seqs, targets, owned, requested, strict=True):

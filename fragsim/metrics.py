@@ -41,6 +41,9 @@ from typing import Any
 
 import numpy as np
 
+#: a stretch of at most this many steps takes its minima and maxima in plain Python
+_FEW = 16
+
 #: quantities integrated over time, in this order in every array and table
 QUANTITIES = ("token_states", "reservation", "internal_fragmentation", "free",
               "external_fragmentation_ratio", "largest_allocatable", "running", "waiting")
@@ -176,25 +179,35 @@ class Recorder:
             self._peak_shared = max(self._peak_shared, shared)
         free = self.capacity - owned
         reservation = owned - token_states - internal
-        if int(reservation.min()) < 0 or int(free.min()) < 0 \
-                or (largest is not None and int((free - largest).min()) < 0):
-            raise AssertionError(f"broken split in the stretch starting at t={t0}")
         span = float(dts.sum())
         if largest is None:
             # 1 − free / free is exactly 0.0 (and 0.0 by definition where nothing is free),
             # so its integral and peak are 0.0; the free column serves as largest.
-            free_integral, free_peak = float(np.dot(free, dts)), float(free.max())
+            if len(dts) <= _FEW:  # minima and maxima of a few ints: cheaper in Python
+                top_token, top_reservation, top_internal, top_free = (
+                    max(c) for c in (token_states.tolist(), reservation.tolist(), internal.tolist(),
+                                     free.tolist()))
+                broken = min(reservation.tolist()) < 0 or min(free.tolist()) < 0
+            else:
+                top_token, top_reservation, top_internal, top_free = (
+                    c.max() for c in (token_states, reservation, internal, free))
+                broken = int(reservation.min()) < 0 or int(free.min()) < 0
+            if broken:
+                raise AssertionError(f"broken split in the stretch starting at t={t0}")
+            free_integral = float(np.dot(free, dts))
             integrals = [float(np.dot(token_states, dts)), float(np.dot(reservation, dts)),
                          float(np.dot(internal, dts)), free_integral, 0.0, free_integral]
-            peaks = [float(token_states.max()), float(reservation.max()), float(internal.max()),
-                     free_peak, 0.0, free_peak]
+            peaks = [float(top_token), float(top_reservation), float(top_internal),
+                     float(top_free), 0.0, float(top_free)]
         else:
+            if int(reservation.min()) < 0 or int(free.min()) < 0 or int((free - largest).min()) < 0:
+                raise AssertionError(f"broken split in the stretch starting at t={t0}")
             ratio = external_fragmentation_ratio(free, largest)
             columns = (token_states, reservation, internal, free, ratio, largest)
             integrals = [float(np.dot(c, dts)) for c in columns]
             peaks = [float(c.max()) for c in columns]
         integrals += [running * span, float(np.dot(waiting, dts))]
-        peaks += [running, float(np.max(waiting))]
+        peaks += [running, float(max(waiting.tolist()) if len(dts) <= _FEW else waiting.max())]
         if self.resolution_s is not None:
             first = int(t0 // self.resolution_s)
             if int((t0 + span) // self.resolution_s) != first:
@@ -217,15 +230,33 @@ class Recorder:
     def _add(self, t0: float, span: float, integrals: list[float], peaks: Any,
              bucket: bool = True) -> None:
         acc, top = self._integral, self._peak
-        for i, v in enumerate(integrals):
-            acc[i] += v
-        for i, v in enumerate(peaks):
-            if v > top[i]:
-                top[i] = v
         self._span += span
         self._num_intervals += 1
+        row = None
         if bucket and self.resolution_s is not None:
-            self._bucket_add(int(t0 // self.resolution_s), span, integrals, peaks)
+            b = int(t0 // self.resolution_s)
+            row = self._buckets.get(b)
+            if row is None:
+                self._buckets[b] = [span, *integrals, *peaks]
+        if row is None:
+            for i, v in enumerate(integrals):
+                acc[i] += v
+            for i, v in enumerate(peaks):
+                if v > top[i]:
+                    top[i] = v
+            return
+        # The run's accumulators and the bucket's in one pass (as _bucket_add would).
+        n = len(QUANTITIES)
+        row[0] += span
+        for i in range(n):
+            v = integrals[i]
+            acc[i] += v
+            row[1 + i] += v
+            v = peaks[i]
+            if v > top[i]:
+                top[i] = v
+            if v > row[1 + n + i]:
+                row[1 + n + i] = v
 
     def _bucket_add(self, b: int, span: float, integrals: list[float], peaks: Any) -> None:
         n = len(QUANTITIES)

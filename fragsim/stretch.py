@@ -194,7 +194,7 @@ def _growth_one_block_each(engine: EngineState, j0: np.ndarray, k: int) -> tuple
             return 0, step[:0], step[:0]
         keep = step < k
         rows, step = rows[keep], step[keep]
-    order = (step * (int(b.req[: b.n].max()) + 1) + b.req[rows]).argsort(kind="stable")
+    order = np.lexsort((b.req[rows], step))
     rows, step = rows[order], step[order]
     _, seqs, _, owned, requested, finals = b.columns(rows)
     blocks, internal = [0] * k, [0] * k

@@ -151,11 +151,13 @@ class PagedAllocator(AllocatorCore):
         seqs, block_size = self._seqs, self.block_size
         queue, head = self._queue, self._head
         free_end = len(queue)
-        owned = []
-        for i, (seq_id, n) in enumerate(zip(seq_ids, num_slots, strict=True)):
+        owned: list[int] = []
+        for seq_id, n in zip(seq_ids, num_slots, strict=True):
             entry = seqs.get(seq_id)
             if entry is None or n < 1:
-                self._undo(seq_ids[:i], num_slots[:i])
+                self._head = head
+                done = len(owned)  # the extends that ran
+                self._undo(seq_ids[:done], num_slots[:done])
                 if entry is None:
                     raise ValueError(f"extend of unknown sequence {seq_id}")
                 raise ValueError(f"num_slots must be >= 1, got {n}")
@@ -165,7 +167,9 @@ class PagedAllocator(AllocatorCore):
             missing = blocks + (-requested // block_size)
             if missing > 0:
                 if head + missing > free_end:
-                    self._undo(seq_ids[:i], num_slots[:i])
+                    self._head = head
+                    done = len(owned)
+                    self._undo(seq_ids[:done], num_slots[:done])
                     return None
                 ids = entry[1]
                 if type(ids) is not list:
@@ -175,9 +179,9 @@ class PagedAllocator(AllocatorCore):
                 else:
                     ids += queue[head : head + missing]
                 head += missing
-                self._head = head
             entry[0] = total
             owned.append(blocks * block_size)
+        self._head = head
         return owned
 
     def _undo(self, seq_ids: Sequence[int], num_slots: Sequence[int]) -> None:
