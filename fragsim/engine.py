@@ -22,6 +22,14 @@ Most steps change nothing but lengths; :mod:`fragsim.stretch` advances such
 stretches in one go, and :mod:`fragsim.request_batching` holds request-level
 (``static``) batching.
 
+Two optional fast paths are looked up once, at construction: an allocator's
+``extend_many`` (grow every decoding sequence that needs room in one call, all or
+none; the paged allocator has it) and a cost model's ``decode_step_time`` (one
+decode step in plain floats). Anything that implements only the
+:class:`~fragsim.allocators.Allocator` and :class:`~fragsim.costmodel.CostModel`
+protocols runs the same steps without them, one ``extend`` per sequence and arrays
+of one element; both ways give the same blocks and the same step times.
+
 Block sharing (parallel samples, beam search, prefix caching) is
 :class:`fragsim.sharing.SharingEngine`, this engine with sharing-aware admission,
 growth, completion and preemption; here it shows only as ``shared_total``, the

@@ -15,6 +15,15 @@ chunk, no admission possible until memory frees or a request arrives). Its lengt
 is the number of steps before the first one where anything could change; its step
 times come from :meth:`~fragsim.costmodel.CostModel.decode_step_times` over the
 whole stretch, its memory split per step from the decode batch's arrays.
+
+Most stretches are short: with a few hundred sequences a completion or an arrival
+comes every few steps, and a stretch of four steps is typical. There the cost is
+the number of numpy calls, not their size, so a short stretch (at most ``SHORT``
+steps) takes its step times one by one in plain floats (the same values the array
+evaluation gives, bit for bit) and stops at the next arrival as it goes, and a
+stretch of at most ``block_size`` steps, where no row takes a second block, does
+its growth bookkeeping in plain ints (:func:`jump_growth`). The numbers are those
+of the general path; only the number of calls changes.
 """
 
 from __future__ import annotations
@@ -202,7 +211,7 @@ def _growth_one_block_each(engine: EngineState, j0: np.ndarray, k: int) -> tuple
         blocks[j] += 1
         if held + B > final:  # the new block's tail is never filled: internal fragmentation
             internal[j] += held + B - final - (held - final if held > final else 0)
-    asked = [held + 1 - asked for held, asked in zip(owned, requested, strict=True)]
+    asked = [held + 1 - had for held, had in zip(owned, requested, strict=True)]
     extend_many = engine._extend_many
     if extend_many is not None:
         grown = extend_many(seqs, asked) is not None
