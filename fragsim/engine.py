@@ -191,9 +191,7 @@ class Engine:
             need = np.array([reserve_slots(policy, int(p), int(o), cfg.max_seq_len)
                              for p, o in zip(self.prompt, self.output, strict=True)], dtype=np.int64) \
                 if policy == "pow2" else (np.full(self.N, cfg.max_seq_len) if policy == "max" else final)
-        largest_empty = self.alloc.largest_allocatable()
-        rounded = np.array([self.alloc.rounded(int(x)) for x in np.unique(need)], dtype=np.int64)
-        fits = dict(zip(np.unique(need).tolist(), (rounded <= largest_empty).tolist(), strict=True))
+        fits = self._fits_alone(np.unique(need))
         too_large = ~too_long & ~np.array([fits[int(x)] for x in need], dtype=bool) if self.N else too_long
         self.refused[too_long] = REFUSE_TOO_LONG
         self.refused[too_large] = REFUSE_TOO_LARGE
@@ -203,6 +201,12 @@ class Engine:
         idx = np.where(self.servable, np.arange(self.N), self.N)
         self.next_servable = np.minimum.accumulate(idx[::-1])[::-1] if self.N else idx
         self.next_servable = np.append(self.next_servable, self.N)
+
+    def _fits_alone(self, needs: np.ndarray) -> dict[int, bool]:
+        """For each distinct need (slots), whether the empty pool could place it."""
+        largest_empty = self.alloc.largest_allocatable()
+        rounded = np.array([self.alloc.rounded(int(x)) for x in needs], dtype=np.int64)
+        return dict(zip(needs.tolist(), (rounded <= largest_empty).tolist(), strict=True))
 
     # --------------------------------------------------------------- bookkeeping
 

@@ -133,6 +133,28 @@ class Row:
             return cdiv((lo + 1) * self.block_tokens, self.chunk) * self.chunk
         return None
 
+    def lo_blocks_many(self, computed: np.ndarray) -> np.ndarray:
+        """:meth:`lo_blocks` for many sequences."""
+        if not self.frees_window or not self.windowed:
+            return np.zeros_like(computed)
+        b = self.block_tokens
+        if self.kind == "sliding":
+            assert self.window is not None
+            return np.maximum(0, computed - self.window + 1) // b
+        assert self.chunk is not None
+        return np.where(computed > 0, (computed // self.chunk * self.chunk) // b, 0)
+
+    def next_free_at_many(self, lo: np.ndarray) -> np.ndarray | None:
+        """:meth:`next_free_at` for many sequences (None: never)."""
+        if not self.frees_window or not self.windowed:
+            return None
+        b = self.block_tokens
+        if self.kind == "sliding":
+            assert self.window is not None
+            return (lo + 1) * b + self.window - 1
+        assert self.chunk is not None
+        return -(-((lo + 1) * b) // self.chunk) * self.chunk
+
     def window_start(self, computed: np.ndarray) -> np.ndarray:
         """First position the next token reads, per sequence (0 without a window)."""
         if self.kind == "sliding":
@@ -179,6 +201,14 @@ class HybridManager:
         self._floor = [0] * len(rows)                  # Σ lo · B
         self._tail = [0] * len(rows)                   # Σ internal-fragmentation positions
         self._windowed = [i for i, r in enumerate(rows) if r.windowed]
+        # Row parameters as columns, so that blocks of all rows move in one numpy call.
+        self._attn = np.array([not r.is_state for r in rows])[:, None]
+        self._bt = np.array([r.block_tokens or 1 for r in rows], dtype=np.int64)[:, None]
+        self._sliding = np.array([r.kind == "sliding" and r.frees_window for r in rows])[:, None]
+        self._chunked = np.array([r.kind == "chunked" and r.frees_window for r in rows])[:, None]
+        self._win = np.array([r.window or 1 for r in rows], dtype=np.int64)[:, None]
+        self._chunk = np.array([r.chunk or 1 for r in rows], dtype=np.int64)[:, None]
+        self._frees_any = bool(self._sliding.any() or self._chunked.any())
 
     # ---------------------------------------------------------------- lengths
 
@@ -286,6 +316,191 @@ class HybridManager:
         """Whether the free memory holds ``takes[r]`` more blocks of each row, counting
         no block that a free in between would return."""
         return self._can_take(takes)
+
+    # ------------------------------------------------ many sequences at once
+
+    def _blocks_at(self, lo0: np.ndarray, hi0: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(lo, hi) of every row for sequences at (lo0, hi0) [rows, ...] extended to
+        ``targets`` [...] tokens with ``targets − 1`` computed (broadcasting)."""
+        shape = (-1,) + (1,) * targets.ndim
+        bt = self._bt.reshape(shape)
+        hi = np.where(self._attn.reshape(shape), np.maximum(hi0, -(-targets // bt)), hi0)
+        if not self._frees_any:
+            return np.broadcast_to(lo0, hi.shape), hi
+        computed = targets - 1
+        slide = np.maximum(0, computed - self._win.reshape(shape) + 1) // bt
+        chunk = self._chunk.reshape(shape)
+        local = np.where(computed > 0, (computed // chunk * chunk) // bt, 0)
+        lo = np.where(self._sliding.reshape(shape), np.maximum(lo0, slide),
+                      np.where(self._chunked.reshape(shape), np.maximum(lo0, local), lo0))
+        return lo, hi
+
+    def moves_many(self, seqs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
+        """What :meth:`advance_many` would do: (lo0, hi0, lo1, hi1, frees, takes) per row
+        and sequence."""
+        return self._moves_many(seqs, targets)
+
+    def _moves_many(self, seqs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Per row and sequence: (lo, hi) now, after ``extend`` to ``targets`` tokens
+        (``targets − 1`` computed), and the blocks freed and taken on the way."""
+        lo0, hi0 = self._lo[:, seqs], self._hi[:, seqs]
+        lo1, hi1 = self._blocks_at(lo0, hi0, targets)
+        frees = np.maximum(0, np.minimum(lo1, hi0) - lo0)
+        takes = np.maximum(0, hi1 - np.maximum(hi0, lo1))
+        return lo0, hi0, lo1, hi1, frees, takes
+
+    def step_moves(self, seqs: np.ndarray, targets: np.ndarray) -> tuple[list[int], bool]:
+        """Blocks each row takes, and whether any block is freed, if every sequence in
+        ``seqs`` extends to its target (nothing changes)."""
+        *_, frees, takes = self._moves_many(seqs, targets)
+        return takes.sum(axis=1).tolist(), bool(frees.any())
+
+    def advance_many(self, seqs: np.ndarray, targets: np.ndarray,
+                     moves: tuple[np.ndarray, ...] | None = None) -> None:
+        """``extend`` of each sequence to its target, in the order given, when the free
+        memory is known to hold every block taken (:meth:`can_take`); ``moves`` is
+        :meth:`moves_many`'s answer when the caller has it."""
+        lo0, hi0, lo1, hi1, frees, takes = moves or self._moves_many(seqs, targets)
+        moved = np.flatnonzero(frees.any(axis=0) | takes.any(axis=0))
+        for j in moved.tolist():
+            if not self._place(int(seqs[j]), frees[:, j].tolist(), takes[:, j].tolist()):
+                raise AssertionError("advance_many ran out of blocks it was told were free")
+        finals = self._finals[seqs] if self._finals is not None else np.full(len(seqs), self.max_seq_len)
+        for i, row in enumerate(self.rows):
+            self.held_blocks[i] += int(((hi1[i] - lo1[i]) - (hi0[i] - lo0[i])).sum())
+            if row.is_state:
+                continue
+            b = row.block_tokens
+            self._floor[i] += int((lo1[i] - lo0[i]).sum()) * b
+            self._tail[i] += int((self._tails(hi1[i], lo1[i], b, finals)
+                                  - self._tails(hi0[i], lo0[i], b, finals)).sum())
+        self._lo[:, seqs], self._hi[:, seqs] = lo1, hi1
+        self._q[seqs], self._f[seqs] = targets, targets - 1
+
+    @staticmethod
+    def _tails(hi: np.ndarray, lo: np.ndarray, b: int, finals: np.ndarray) -> np.ndarray:
+        return np.where(hi > lo, np.maximum(0, hi * b - np.maximum(finals, lo * b)), 0)
+
+    def stretch(self, seqs: np.ndarray, reqs: np.ndarray, filled0: np.ndarray, k: int,
+                head_tokens: int | None) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Up to ``k`` decode steps of the sequences ``seqs`` (all that hold memory), the
+        sequence at ``filled0`` tokens computing token ``filled0 + j`` in step ``j``.
+
+        Each sequence's blocks over the stretch have a closed form (the module's
+        ``lo`` and ``hi`` of its computed length), so the blocks every step takes and
+        frees are known up front. The stretch stops before the first step whose takes
+        might not all fit (:meth:`_stretch_fits`) and, when a request of
+        ``head_tokens`` waits at the head of the queue, before the first step whose
+        frees might let it in (:meth:`_stretch_admits`). Block ids move event by event in the order
+        exact steps would move them (step, then ``reqs``).
+
+        Returns the steps taken, the split of each ``[k, rows + 1, categories]``, the
+        largest allocatable bytes and used blocks of each, and each sequence's last
+        requested length (−1: no block moved).
+        """
+        R, n = len(self.rows), len(seqs)
+        steps = np.arange(k, dtype=np.int64)[:, None]
+        f = filled0[None, :] + steps                               # [k, n] computed at step j
+        lo0, hi0 = self._lo[:, seqs], self._hi[:, seqs]            # [R, n]
+        lo, hi = self._blocks_at(lo0[:, None, :], hi0[:, None, :], f + 1)   # [R, k, n]
+        lo_prev = np.concatenate((lo0[:, None, :], lo[:, :-1]), axis=1)
+        hi_prev = np.concatenate((hi0[:, None, :], hi[:, :-1]), axis=1)
+        frees = np.maximum(0, np.minimum(lo, hi_prev) - lo_prev)   # [R, k, n]
+        takes = np.maximum(0, hi - np.maximum(hi_prev, lo))
+        step_takes = takes.sum(axis=2).T                           # [k, R]
+        step_frees = frees.sum(axis=2).T
+        limit = self._stretch_fits(step_takes, step_frees)
+        if head_tokens is not None and step_frees.any():
+            zero = np.zeros(R, dtype=np.int64)
+            head = self._target(head_tokens, 0, zero, zero)[3]
+            limit = min(limit, self._stretch_admits(step_takes, step_frees, head))
+        k = min(k, limit)
+        empty = np.zeros((0, R + 1, len(CATEGORIES)), dtype=np.int64)
+        if k <= 0:
+            return 0, empty, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.full(n, -1)
+        lo, hi, frees, takes, f = lo[:, :k], hi[:, :k], frees[:, :k], takes[:, :k], f[:k]
+        moved = (frees.any(axis=0) | takes.any(axis=0))            # [k, n]
+        # Block ids, event by event; the pool's free memory after each step that moved any.
+        free_rows = np.zeros((k, R + 1), dtype=np.int64)
+        largest = np.zeros(k, dtype=np.int64)
+        used = np.zeros(k, dtype=np.int64)
+        order = np.argsort(reqs, kind="stable")
+        last = 0
+        snapshot = (self._free_bytes(), self.largest_allocatable(), self.num_used_blocks())
+        for j in np.flatnonzero(moved.any(axis=1)).tolist():
+            free_rows[last:j], largest[last:j], used[last:j] = snapshot
+            for col in order[moved[j, order]].tolist():
+                if not self._place(int(seqs[col]), frees[:, j, col].tolist(), takes[:, j, col].tolist()):
+                    raise AssertionError("a block move failed inside a stretch that had room for it")
+            snapshot = (self._free_bytes(), self.largest_allocatable(), self.num_used_blocks())
+            last = j
+        free_rows[last:], largest[last:], used[last:] = snapshot
+        # Commit the final blocks and the sums.
+        finals = self._finals[seqs] if self._finals is not None else np.full(n, self.max_seq_len)
+        lo1, hi1 = lo[:, -1], hi[:, -1]
+        for i, row in enumerate(self.rows):
+            self.held_blocks[i] += int(((hi1[i] - lo1[i]) - (hi0[i] - lo0[i])).sum())
+            if not row.is_state:
+                b = row.block_tokens
+                self._floor[i] += int((lo1[i] - lo0[i]).sum()) * b
+                self._tail[i] += int((self._tails(hi1[i], lo1[i], b, finals)
+                                      - self._tails(hi0[i], lo0[i], b, finals)).sum())
+        any_move = moved.any(axis=0)
+        last_step = np.where(any_move, k - 1 - np.argmax(moved[::-1], axis=0), -1)
+        last_target = np.where(any_move, filled0 + last_step + 1, -1)
+        self._lo[:, seqs], self._hi[:, seqs] = lo1, hi1
+        touched = seqs[any_move]
+        self._q[touched] = last_target[any_move]
+        self._f[touched] = last_target[any_move] - 1
+        # The split of every step.
+        out = np.zeros((k, R + 1, len(CATEGORIES)), dtype=np.int64)
+        for i, row in enumerate(self.rows):
+            held = (hi[i] - lo[i]).sum(axis=1)
+            out[:, i, PADDING] = held * row.padding_per_block
+            if row.is_state:
+                out[:, i, TOKEN] = held * row.state_bytes
+                continue
+            b, tb = row.block_tokens, row.token_bytes
+            floor = lo[i] * b
+            in_held = (f - floor).sum(axis=1)
+            oow = np.maximum(0, row.window_start(f) - floor).sum(axis=1) if row.windowed \
+                else np.zeros(k, dtype=np.int64)
+            tail = self._tails(hi[i], lo[i], b, finals[None, :]).sum(axis=1)
+            out[:, i, TOKEN] = (in_held - oow) * tb
+            out[:, i, OUT_OF_WINDOW] = oow * tb
+            out[:, i, INTERNAL] = tail * tb
+            out[:, i, RESERVATION] = (held * b - in_held - tail) * tb
+        out[:, :, FREE] = free_rows
+        out[:, -1, PADDING] = self._fixed_padding()
+        return k, out, largest, used, last_target
+
+    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray) -> int:
+        """The first step whose takes might not fit, given each step's takes and frees
+        per row (``[k, rows]``): frees of earlier steps count, a step's own do not.
+        This default ignores frees (safe for any pool); pools that know better override."""
+        cum = np.cumsum(takes, axis=0)
+        for j in range(len(cum)):
+            if not self._can_take(cum[j].tolist()):
+                return j
+        return len(cum)
+
+    def _stretch_admits(self, takes: np.ndarray, frees: np.ndarray, head: list[int]) -> int:
+        """The first step after whose moves a fresh sequence taking ``head`` blocks per
+        row might fit. This default says the first step that frees anything (safe)."""
+        freeing = np.flatnonzero(frees.any(axis=1))
+        return int(freeing[0]) if len(freeing) else len(takes)
+
+    def owned_many(self, seqs: np.ndarray) -> np.ndarray:
+        """:meth:`num_owned` for many sequences."""
+        limit = np.full(len(seqs), self.max_seq_len + 1, dtype=np.int64)
+        for i, row in enumerate(self.rows):
+            if row.is_state:
+                continue
+            np.minimum(limit, self._hi[i, seqs] * row.block_tokens, out=limit)
+            at = row.next_free_at_many(self._lo[i, seqs])
+            if at is not None:
+                np.minimum(limit, at, out=limit)
+        return limit
 
     def free(self, seq_id: int) -> None:
         if seq_id not in self._live:

@@ -130,7 +130,35 @@ class HybridEngine(Engine):
             assert m.num_requested(seq) == b.requested[row]
         m.check()
 
+    def _grow_decoders(self) -> None:
+        """Room for this step's token in every decoding sequence: all at once when the
+        free memory holds every block taken (the order then changes nothing), else
+        row by row, preempting as the engine does."""
+        b, m = self.batch, self.manager
+        n = b.n
+        if n:
+            rows = np.flatnonzero(b.offset[:n] + (self.g + 1) > b.owned[:n])
+            if len(rows):
+                rows = rows[np.argsort(b.req[rows], kind="stable")]
+                row_seqs, targets = b.seq[rows], b.offset[rows] + (self.g + 1)
+                moves = m.moves_many(row_seqs, targets)
+                if not m.can_take(moves[-1].sum(axis=1).tolist()):
+                    super()._grow_decoders()
+                    return
+                m.advance_many(row_seqs, targets, moves)
+                b.requested[rows] = targets
+                b.owned[rows] = m.owned_many(row_seqs)
+
     # ------------------------------------------------------------- stretches
+
+    def _head_tokens(self) -> int | None:
+        """Tokens the queue's head would ask for if the batch limits let it in (None:
+        nothing waits, or the limits keep it out whatever memory frees)."""
+        if not self.waiting or self._num_running() >= self.cfg.max_num_seqs \
+                or self.batch.n >= self.cfg.num_batched_tokens:
+            return None
+        head = self.waiting[0]
+        return int(self.prompt[head] + self.generated[head]) + 1
 
     def _jump(self) -> float:
         """A stretch of decode steps, blocks taken and freed at the steps they move."""
@@ -160,9 +188,14 @@ class HybridEngine(Engine):
                     k = int(hit[0])
         if k <= 0:
             return 0.0
-        k, splits, largest, used = self._jump_blocks(filled0, k)
+        m_seqs = b.seq[:n].copy()
+        k, splits, largest, used, last = m.stretch(m_seqs, b.req[:n], filled0, k, self._head_tokens())
         if k <= 0:
             return 0.0
+        touched = np.flatnonzero(last >= 0)
+        if len(touched):
+            b.requested[touched] = last[touched]
+            b.owned[touched] = m.owned_many(m_seqs[touched])
         free = splits[:, :, FREE].sum(axis=1)
         pulled = np.searchsorted(self.arrival, starts[:k], side="right")
         waiting = len(self.waiting) + len(self.swapped) \
@@ -176,49 +209,3 @@ class HybridEngine(Engine):
         if cfg.check:
             self._check()
         return float(dts[:k].sum())
-
-    def _jump_blocks(self, filled0: np.ndarray, k: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
-        """Block moves over up to ``k`` steps, in exact-mode order; the split, largest
-        allocatable and used blocks of each step. Stops short as the module says."""
-        b, m = self.batch, self.manager
-        n = b.n
-        seqs = b.seq[:n].copy()
-        wait = bool(self.waiting or self.swapped)
-        pieces: list[np.ndarray] = []
-        largest: list[np.ndarray] = []
-        used: list[np.ndarray] = []
-        j = 0
-        while j < k:
-            events = b.owned[:n] - filled0          # first step at which each row meets the manager
-            nxt = max(j, int(events.min()))
-            if nxt > j or nxt >= k:
-                end = min(nxt, k)
-                pieces.append(m.split_steps(seqs, filled0 + j, end - j))
-                largest.append(np.full(end - j, m.largest_allocatable(), dtype=np.int64))
-                used.append(np.full(end - j, m.num_used_blocks(), dtype=np.int64))
-                j = end
-                if j >= k:
-                    break
-            rows = np.flatnonzero(events <= j)
-            rows = rows[np.argsort(b.req[rows], kind="stable")]
-            targets = filled0[rows] + j + 1
-            takes = [0] * len(m.rows)
-            frees = False
-            for row, target in zip(rows.tolist(), targets.tolist(), strict=True):
-                f, t = m.preview_extend(int(b.seq[row]), target - int(b.requested[row]))
-                frees = frees or any(f)
-                takes = [a + c for a, c in zip(takes, t, strict=True)]
-            if (frees and wait) or not m.can_take(takes):
-                k = j
-                break
-            for row, target in zip(rows.tolist(), targets.tolist(), strict=True):
-                seq = int(b.seq[row])
-                if not m.extend(seq, target - int(b.requested[row])):
-                    raise AssertionError("a block move failed inside a stretch that had room for it")
-                b.requested[row] = target
-                b.owned[row] = m.num_owned(seq)
-        if k <= 0 or not pieces:
-            empty = np.zeros((0, len(m.rows) + 1, len(CATEGORIES)), dtype=np.int64)
-            return 0, empty, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-        return (k, np.concatenate(pieces)[:k], np.concatenate(largest)[:k],
-                np.concatenate(used)[:k])

@@ -25,6 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
+
 from fragsim.hybrid.base import HybridManager, Row
 
 
@@ -154,6 +156,17 @@ class JengaManager(HybridManager):
 
     def _can_take(self, takes: list[int]) -> bool:
         return self._can_take_with(takes, [0] * len(takes))
+
+    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray) -> int:
+        """Frees are not counted: whether one returns a whole large page depends on its
+        neighbours."""
+        cum = np.cumsum(takes, axis=0)
+        avail = np.array([self._available(i) for i in range(len(self.rows))])
+        short = np.maximum(0, cum - avail)
+        per = np.array(self.per_large)
+        opens = (-(-short // per)).sum(axis=1)
+        over = np.flatnonzero(opens > len(self._free_large))
+        return int(over[0]) if len(over) else len(takes)
 
     def _fits_empty(self, takes: list[int]) -> bool:
         return sum(-(-t // p) for t, p in zip(takes, self.per_large, strict=True)) <= self.num_large

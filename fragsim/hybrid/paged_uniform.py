@@ -12,6 +12,8 @@ slot; an unused slot is free memory that only a state can use.
 
 from __future__ import annotations
 
+import numpy as np
+
 from fragsim.hybrid.base import HybridManager, Row
 
 
@@ -88,6 +90,12 @@ class PagedUniformManager(HybridManager):
     def _can_take(self, takes: list[int]) -> bool:
         blocks, states = self._takes(takes)
         return blocks <= self.num_free_blocks() and states <= len(self._state_free)
+
+    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray) -> int:
+        if not self._attention:
+            return len(takes)
+        short = np.flatnonzero(np.cumsum(takes[:, self._attention[0]]) > self.num_free_blocks())
+        return int(short[0]) if len(short) else len(takes)
 
     def _fits_empty(self, takes: list[int]) -> bool:
         blocks, states = self._takes(takes)

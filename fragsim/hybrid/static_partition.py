@@ -18,6 +18,8 @@ row's free memory; no other row can use them.
 
 from __future__ import annotations
 
+import numpy as np
+
 from fragsim.hybrid.base import HybridManager, Row, cdiv
 
 
@@ -93,6 +95,18 @@ class StaticPartitionManager(HybridManager):
 
     def _can_take(self, takes: list[int]) -> bool:
         return all(t <= self.free_blocks(i) for i, t in enumerate(takes))
+
+    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray) -> int:
+        free = np.array([self.free_blocks(i) for i in range(len(self.rows))])
+        freed_before = np.vstack((np.zeros((1, len(self.rows)), dtype=np.int64), np.cumsum(frees, axis=0)[:-1]))
+        short = np.flatnonzero((np.cumsum(takes, axis=0) > free + freed_before).any(axis=1))
+        return int(short[0]) if len(short) else len(takes)
+
+    def _stretch_admits(self, takes: np.ndarray, frees: np.ndarray, head: list[int]) -> int:
+        free = np.array([self.free_blocks(i) for i in range(len(self.rows))])
+        free_after = free + np.cumsum(frees - takes, axis=0)
+        fits = np.flatnonzero((free_after >= np.array(head)).all(axis=1))
+        return int(fits[0]) if len(fits) else len(takes)
 
     def _fits_empty(self, takes: list[int]) -> bool:
         return all(t <= n for t, n in zip(takes, self.num_blocks, strict=True))

@@ -25,6 +25,8 @@ would already have dropped the skipped blocks; the engine then preempts as vLLM 
 
 from __future__ import annotations
 
+import numpy as np
+
 from fragsim.hybrid.base import HybridManager, Row
 from fragsim.vllm_plan import VllmPlan
 
@@ -99,6 +101,17 @@ class VllmHybridManager(HybridManager):
 
     def _can_take(self, takes: list[int]) -> bool:
         return sum(takes) <= self.num_free_blocks()
+
+    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray) -> int:
+        total = takes.sum(axis=1)
+        freed_before = np.concatenate(([0], np.cumsum(frees.sum(axis=1))[:-1]))
+        short = np.flatnonzero(np.cumsum(total) > self.num_free_blocks() + freed_before)
+        return int(short[0]) if len(short) else len(total)
+
+    def _stretch_admits(self, takes: np.ndarray, frees: np.ndarray, head: list[int]) -> int:
+        free_after = self.num_free_blocks() + np.cumsum(frees.sum(axis=1) - takes.sum(axis=1))
+        fits = np.flatnonzero(free_after >= sum(head))
+        return int(fits[0]) if len(fits) else len(takes)
 
     def _fits_empty(self, takes: list[int]) -> bool:
         return sum(takes) <= self.num_blocks - 1
