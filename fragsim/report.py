@@ -25,9 +25,11 @@ from fragsim.files import write_atomically
 
 SPLIT = ("token_states", "reservation", "internal_fragmentation", "free")
 SPLIT_LABELS = {"token_states": "token states", "reservation": "reservation",
-                "internal_fragmentation": "internal frag.", "free": "free / external"}
+                "internal_fragmentation": "internal frag.", "free": "free / external",
+                "padding": "padding", "out_of_window": "out of window"}
 SPLIT_COLORS = {"token_states": "#2b6cb0", "reservation": "#f6ad55",
-                "internal_fragmentation": "#e53e3e", "free": "#cbd5e0"}
+                "internal_fragmentation": "#e53e3e", "free": "#cbd5e0",
+                "padding": "#718096", "out_of_window": "#9f7aea"}
 
 
 def run_id(config: dict[str, Any]) -> str:
@@ -78,6 +80,9 @@ def write_results(out_root: Path, config: dict[str, Any], results: Sequence[Any]
         if plot:
             plot_split_bars(summaries, tmp / "memory_split.png")
             plot_split_over_time(results, tmp / "memory_over_time.png")
+            hybrid = [r for r in results if r.summary.get("by_kind")]
+            if hybrid:
+                plot_kinds_over_time(hybrid, tmp / "memory_by_kind.png")
             maps = [r for r in results if r.address_map is not None]
             if maps:
                 plot_address_maps(maps, tmp / "address_map.png")
@@ -163,8 +168,10 @@ def plot_split_bars(summaries: Sequence[dict[str, Any]], path: Path, title: str 
     names = [s["allocator"] for s in summaries]
     fig, ax = plt.subplots(figsize=(1.4 * len(names) + 2.5, 4.0))
     bottom = np.zeros(len(names))
-    for q in SPLIT:
-        vals = np.array([100 * s[f"{q}_frac"] for s in summaries])
+    hybrid = any("padding_frac" in s for s in summaries)
+    split = SPLIT[:3] + ("padding", "out_of_window", "free") if hybrid else SPLIT
+    for q in split:
+        vals = np.array([100 * (s.get(f"{q}_frac") or 0.0) for s in summaries])
         bars = ax.bar(names, vals, bottom=bottom, color=SPLIT_COLORS[q], label=SPLIT_LABELS[q],
                       edgecolor="white", linewidth=0.5)
         for rect, v, b in zip(bars, vals, bottom, strict=True):
@@ -203,6 +210,57 @@ def plot_split_over_time(results: Sequence[Any], path: Path) -> None:
     axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.08, 1.0), frameon=False, fontsize=8)
     axes[-1, 0].set_xlabel("simulated time (s)")
     fig.suptitle("KV memory over time")
+    _savefig(fig, path)
+    plt.close(fig)
+
+
+KIND_COLORS = ["#2b6cb0", "#2f855a", "#b7791f", "#805ad5", "#c53030", "#2c7a7b"]
+
+
+def plot_kinds_over_time(results: Sequence[Any], path: Path) -> None:
+    """A hybrid manager's pool over time by layer kind: for each kind its token states
+    (dark), its blocks out of the window (hatched) and the rest it holds (reservation,
+    block tails, padding; light); free memory grey. One panel per manager."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    n = len(results)
+    fig, axes = plt.subplots(n, 1, figsize=(9, 2.1 * n + 0.8), sharex=True, squeeze=False)
+    for ax, r in zip(axes[:, 0], results, strict=True):
+        ts: pd.DataFrame = r.timeseries
+        cap = r.summary["kv_pool_bytes"]
+        kinds = [k for k in r.summary["by_kind"] if k != "pool"]
+        ys, colors, labels, hatches = [], [], [], []
+        for i, kind in enumerate(kinds):
+            base = KIND_COLORS[i % len(KIND_COLORS)]
+            other = sum(ts[f"{kind}.{c}"].fillna(0).to_numpy()
+                        for c in ("reservation", "internal_fragmentation", "padding"))
+            for part, alpha, label, hatch in (
+                    (ts[f"{kind}.token_states"].fillna(0).to_numpy(), 1.0, f"{kind}: token states", None),
+                    (ts[f"{kind}.out_of_window"].fillna(0).to_numpy(), 0.55, f"{kind}: out of window", "///"),
+                    (other, 0.3, f"{kind}: reserved, tails, padding", None)):
+                ys.append(100 * part / cap)
+                colors.append(to_rgba(base, alpha))
+                labels.append(label)
+                hatches.append(hatch)
+        free = sum(ts[f"{k}.free"].fillna(0).to_numpy() for k in r.summary["by_kind"])
+        pad = ts["pool.padding"].fillna(0).to_numpy() if "pool.padding" in ts else 0 * free
+        ys += [100 * pad / cap, 100 * free / cap]
+        colors += ["#718096", "#e2e8f0"]
+        labels += ["pool padding", "free"]
+        hatches += [None, None]
+        areas = ax.stackplot(ts["time_s"], *ys, colors=colors, labels=labels, step="post")
+        for area, hatch in zip(areas, hatches, strict=True):
+            if hatch:
+                area.set_hatch(hatch)
+        ax.set_ylim(0, 100)
+        ax.set_ylabel(f"{r.allocator}\n% of pool", fontsize=8)
+    axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=7)
+    axes[-1, 0].set_xlabel("simulated time (s)")
+    fig.suptitle("KV pool by layer kind over time")
     _savefig(fig, path)
     plt.close(fig)
 

@@ -139,6 +139,9 @@ class HybridEngine(Engine):
         if n:
             rows = np.flatnonzero(b.offset[:n] + (self.g + 1) > b.owned[:n])
             if len(rows):
+                if len(rows) <= 4:   # a few rows: the scalar path is cheaper than numpy's
+                    super()._grow_decoders()
+                    return
                 rows = rows[np.argsort(b.req[rows], kind="stable")]
                 row_seqs, targets = b.seq[rows], b.offset[rows] + (self.g + 1)
                 moves = m.moves_many(row_seqs, targets)
