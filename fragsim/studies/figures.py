@@ -45,6 +45,10 @@ SYSTEMS: dict[str, tuple[str, str, str]] = {
     "contiguous": ("contiguous", "#805ad5", "v"),
     "buddy": ("buddy", "#c53030", "s"),
     "paged": ("paged", "#2b6cb0", "o"),
+    "paged-uniform": ("every layer full", "#718096", "x"),
+    "vllm-hybrid": ("vLLM hybrid", "#2c7a7b", "o"),
+    "jenga": ("Jenga", "#2f855a", "D"),
+    "static-partition": ("static partition", "#b7791f", "s"),
 }
 
 LABELS: dict[str, str] = {
@@ -86,10 +90,14 @@ LABELS: dict[str, str] = {
     "page_tail_bytes": "bytes lost to page tails",
     "prefix_caching": "prefix caching",
     "num_preemptions": "preemptions",
+    "padding_frac": "padding (% of KV)",
+    "out_of_window_frac": "out of window (% of KV)",
+    "allocator": "",
 }
 
 #: fractions drawn as percentages
 PERCENT = {"token_states_frac", "reservation_frac", "internal_fragmentation_frac", "free_frac",
+           "padding_frac", "out_of_window_frac",
            "refusal_rate", "blocks_saved_frac", "prefix_cache_hit_rate"}
 
 
@@ -252,8 +260,11 @@ def _split_bars(spec: FigureSpec, table: pd.DataFrame) -> Figure:
         names = sub[spec.group].tolist()
         labels = [_style(spec.group, n, i)["label"] for i, n in enumerate(names)]
         bottom = np.zeros(len(sub))
-        for part in SPLIT:
-            heights = 100 * sub[f"{part}_frac"].to_numpy(dtype=np.float64)
+        # Hybrid managers split further; dense rows of the same table have no such parts.
+        hybrid = "padding_frac" in sub and bool(sub["padding_frac"].notna().any())
+        parts = SPLIT[:3] + ("padding", "out_of_window", "free") if hybrid else SPLIT
+        for part in parts:
+            heights = 100 * sub[f"{part}_frac"].fillna(0.0).to_numpy(dtype=np.float64)
             ax.bar(labels, heights, bottom=bottom, color=SPLIT_COLORS[part], width=0.7,
                    label=SPLIT_LABELS[part], edgecolor="white", linewidth=0.5)
             for x, (h, b) in enumerate(zip(heights, bottom, strict=True)):

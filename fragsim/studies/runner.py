@@ -74,7 +74,7 @@ def run_one(run: Run) -> RunOutput:
     trace = _trace(run.spec, _freeze(run.workload))
     result = simulate(trace, run.allocator, run.spec)
     row = {**run.columns, "allocator": run.allocator}
-    row.update({k: v for k, v in result.summary.items() if k != "allocator"})
+    row.update(_flat({k: v for k, v in result.summary.items() if k != "allocator"}))
     row.update(derived_metrics(result, run.spec))
     series = None
     if run.keep_timeseries:
@@ -288,3 +288,14 @@ def command_line(study: Study, scale: float, min_requests: int | None = None,
         parts.append(f"--out {Path(out).as_posix()}")
     return " ".join(parts)
 
+
+def _flat(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested summary keys (a hybrid run's ``by_kind``, ``by_row``) as columns
+    ``by_kind.<kind>.<key>``, so that a study's table is flat and comparable."""
+    out: dict[str, Any] = {}
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -304,10 +304,11 @@ def _axis(where: _Where, table: str, key: str, value: Any) -> tuple[Any, ...]:
 
 def _allocators(where: _Where, table: str, value: Any) -> tuple[str, ...]:
     from fragsim.allocators import PLACEMENTS, PRESETS
+    from fragsim.hybrid import MANAGERS
 
     if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
         raise where.error(table, "allocators", "expected a non-empty list of names")
-    known = list(PRESETS) + list(PLACEMENTS)
+    known = list(PRESETS) + list(PLACEMENTS) + list(MANAGERS)
     for name in value:
         if name not in known:
             raise where.error(table, "allocators", f"unknown allocator {name!r}; known: {', '.join(known)}")
