@@ -30,6 +30,9 @@ from typing import Any
 
 PRESETS = ["ft-static", "orca-max", "orca-pow2", "orca-oracle", "vllm"]
 # The configuration peer simulators are usually benchmarked in.
+#: hybrid models measured in the peer configuration (``--hybrid``), each beside its dense run
+HYBRID_MODELS = ["mistral-7b-v0.1", "gpt-oss-20b", "gemma-3-27b"]
+HYBRID_MANAGERS = ["paged-uniform", "vllm-hybrid", "jenga", "static-partition"]
 PEER = {"model": "llama-2-7b", "gpu": "a100-80gb", "max_seq_len": 16384, "max_num_seqs": 256,
         "max_num_batched_tokens": 2048}
 
@@ -69,7 +72,7 @@ def _measure(args: tuple[str, dict[str, Any], int, int | None], out: Any) -> Non
     wall = time.perf_counter() - t0
     sim = engine.rec.span_s
     out.put({
-        "allocator": allocator, "config": "peer" if options else "default", "trace_x": times,
+        "allocator": allocator, "model": spec.model, "config": "peer" if options else "default", "trace_x": times,
         "num_requests": len(trace), "wall_s": round(wall, 3), "load_s": round(load_s, 3),
         "sim_s": round(sim, 1), "real_time_factor": round(sim / wall, 1),
         "steps": engine.num_steps, "events": engine.num_events,
@@ -105,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--million", action="store_true", help="also run 1,000,000 requests (vllm)")
     parser.add_argument("--no-scaling", action="store_true", help="skip the 4x/16x runs")
     parser.add_argument("--peer", action="store_true", help="only the peer configuration")
+    parser.add_argument("--hybrid", action="store_true",
+                        help="only hybrid models in the peer configuration: each model's dense "
+                             "run (vllm, every layer full) beside its hybrid managers")
     parser.add_argument("--runs", type=int, default=1, metavar="N",
                         help="take every measurement N times: median and min wall (default 1)")
     args = parser.parse_args(argv)
@@ -112,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--runs must be >= 1, got {args.runs}")
 
     plan: list[tuple[str, dict[str, Any], int, int | None]] = []
+    if args.hybrid:
+        for model in HYBRID_MODELS:
+            plan += [(a, {**PEER, "model": model}, 1, None) for a in ("vllm", *HYBRID_MANAGERS)]
+        return _report(plan, args)
     if not args.peer:
         plan += [(a, {}, 1, None) for a in PRESETS]
     plan.append(("vllm", PEER, 1, None))
@@ -119,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         plan += [("vllm", {}, 4, None), ("vllm", {}, 16, None)]
     if args.million:
         plan.append(("vllm", {}, 1, 1_000_000))
+    return _report(plan, args)
+
+
+def _report(plan: list[tuple[str, dict[str, Any], int, int | None]], args: argparse.Namespace) -> int:
     rows = []
     for item in plan:
         row = measure_runs(item, args.runs)
@@ -127,11 +141,17 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(row), flush=True)
         else:
             fastest = f" (min {row['wall_min_s']:.2f})" if "wall_min_s" in row else ""
-            print(f"{row['allocator']:>12} {row['config']:>7} x{row['trace_x']:<3} "
+            print(f"{row['allocator']:>16} {row['config']:>7} x{row['trace_x']:<3} "
                   f"{row['num_requests']:>9,} req  wall {row['wall_s']:>8.2f} s{fastest}  "
                   f"sim {row['sim_s']:>10,.0f} s  "
                   f"RTF {row['real_time_factor']:>8,.0f}  steps {row['steps']:>10,}  "
                   f"events {row['events']:>9,}  RSS {row['peak_rss_mb']:>7,.0f} MB", flush=True)
+    dense = {r["model"]: r for r in rows if r["allocator"] == "vllm" and r["config"] == "peer"}
+    if args.hybrid and not args.json:
+        for r in rows:
+            if r["allocator"] != "vllm" and r["model"] in dense:
+                print(f"{r['model']} {r['allocator']}: wall {r['wall_s'] / dense[r['model']]['wall_s']:.2f}x "
+                      "of the same trace on the model as dense (vllm)")
     base = next((r for r in rows if r["allocator"] == "vllm" and r["trace_x"] == 1 and r["config"] == "default"), None)
     if base and not args.json:
         for r in rows:
