@@ -249,7 +249,7 @@ def plot_kinds_over_time(results: Sequence[Any], path: Path) -> None:
         free = sum(ts[f"{k}.free"].fillna(0).to_numpy() for k in r.summary["by_kind"])
         pad = ts["pool.padding"].fillna(0).to_numpy() if "pool.padding" in ts else 0 * free
         ys += [100 * pad / cap, 100 * free / cap]
-        colors += ["#718096", "#e2e8f0"]
+        colors += [to_rgba("#718096"), to_rgba("#e2e8f0")]
         labels += ["pool padding", "free"]
         hatches += [None, None]
         areas = ax.stackplot(ts["time_s"], *ys, colors=colors, labels=labels, step="post")
