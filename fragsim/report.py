@@ -83,9 +83,12 @@ def write_results(out_root: Path, config: dict[str, Any], results: Sequence[Any]
             hybrid = [r for r in results if r.summary.get("by_kind")]
             if hybrid:
                 plot_kinds_over_time(hybrid, tmp / "memory_by_kind.png")
-            maps = [r for r in results if r.address_map is not None]
+            maps = [r for r in results if r.address_map is not None and "owner" in r.address_map]
             if maps:
                 plot_address_maps(maps, tmp / "address_map.png")
+            kind_maps = [r for r in results if r.address_map is not None and "row" in r.address_map]
+            if kind_maps:
+                plot_kind_maps(kind_maps, tmp / "address_map_by_kind.png")
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -261,6 +264,41 @@ def plot_kinds_over_time(results: Sequence[Any], path: Path) -> None:
     axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, fontsize=7)
     axes[-1, 0].set_xlabel("simulated time (s)")
     fig.suptitle("KV pool by layer kind over time")
+    _savefig(fig, path)
+    plt.close(fig)
+
+
+def plot_kind_maps(results: Sequence[Any], path: Path) -> None:
+    """Time × pool unit for the hybrid managers, coloured by the layer kind that holds
+    each unit (white: free): vLLM's groups interleave in one pool, a static partition
+    keeps bands, Jenga carves large pages for one kind at a time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    n = len(results)
+    fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1.6, 4.2), squeeze=False)
+    for ax, r in zip(axes[0], results, strict=True):
+        amap = r.address_map
+        kinds = list(dict.fromkeys(amap["kinds"]))
+        colors = ["#ffffff"] + [KIND_COLORS[i % len(KIND_COLORS)] for i in range(len(kinds))]
+        index = np.array([kinds.index(k) + 1 for k in amap["kinds"]])
+        rows = amap["row"]
+        shown = np.where(rows < 0, 0, index[np.maximum(rows, 0)])
+        t = amap["time_s"]
+        ax.imshow(shown.T, aspect="auto", origin="lower", interpolation="nearest",
+                  cmap=ListedColormap(colors), vmin=0, vmax=len(colors) - 1,
+                  extent=(float(t[0]), float(t[-1]) if len(t) > 1 else float(t[0]) + 1, 0, rows.shape[1]))
+        ax.set_title(r.allocator, fontsize=9)
+        ax.set_xlabel("time (s)")
+        ax.set_ylabel(f"{amap['unit']} (binned)", fontsize=7)
+        ax.legend(handles=[Patch(facecolor=c, edgecolor="#999999", label=k)
+                           for c, k in zip(colors, ["free", *kinds], strict=True)],
+                  loc="upper right", fontsize=7, frameon=True)
+    fig.suptitle("The pool's address space over time by layer kind (white = free)", fontsize=9)
     _savefig(fig, path)
     plt.close(fig)
 

@@ -271,7 +271,7 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
             swap_bandwidth=gpu.pcie_bandwidth, kv_bytes_per_token=kv_per_gpu,
             queue_timeout_s=spec.queue_timeout_s, truncate_prompts=spec.truncate_prompts,
             exact_steps=spec.exact_steps, check=check, timeseries_resolution_s=resolution,
-            address_map_interval_s=(resolution * 4 if spec.address_map and not hybrid else None),
+            address_map_interval_s=(resolution * 4 if spec.address_map else None),
             num_samples=spec.num_samples, beam_width=spec.beam_width,
             beam_theta=beam_theta(spec), prefix_caching=spec.prefix_caching, sharing_seed=spec.seed,
         )

@@ -108,3 +108,17 @@ def test_unsupported_modes_are_named() -> None:
     spec = _spec("gpt-oss-20b", GiB, preemption="swap")
     with pytest.raises(FragsimError, match="recompute"):
         make_engine(load_workload(spec), "jenga", spec)
+
+
+@pytest.mark.parametrize("name", MANAGERS)
+def test_address_map_by_kind(name: str) -> None:
+    """Every sampled unit is free or held by a row; held units follow the blocks held."""
+    spec = _spec("gemma-3-27b", 2 * GiB, n=150, address_map=True, timeseries_resolution_s=2.0)
+    engine = make_engine(load_workload(spec), name, spec)
+    engine.run()
+    amap = engine.address_map()
+    assert amap is not None and amap["row"].shape[0] == len(amap["time_s"]) > 3
+    assert amap["row"].min() >= -1 and amap["row"].max() < len(amap["kinds"])
+    assert (amap["row"] >= 0).any(axis=1).sum() > 1        # the pool was in use at some samples
+    m = engine.manager
+    assert (m.unit_rows() == -1).all()                      # all freed at the end

@@ -312,6 +312,12 @@ class HybridManager:
         _, _, frees, takes = self._target(q, q - 1, self._lo[:, seq_id], self._hi[:, seq_id])
         return frees, takes
 
+    def can_take_all(self, per_seq: np.ndarray) -> bool:
+        """Whether every sequence can take its blocks, ``per_seq[r, s]`` of row ``r``,
+        one sequence after another (:meth:`advance_many`)."""
+        return self._stretch_fits(per_seq.sum(axis=1)[None, :], np.zeros((1, len(self.rows))),
+                                  per_seq[:, None, :]) == 1
+
     def can_take(self, takes: list[int]) -> bool:
         """Whether the free memory holds ``takes[r]`` more blocks of each row, counting
         no block that a free in between would return."""
@@ -409,7 +415,7 @@ class HybridManager:
         takes = np.maximum(0, hi - np.maximum(hi_prev, lo))
         step_takes = takes.sum(axis=2).T                           # [k, R]
         step_frees = frees.sum(axis=2).T
-        limit = self._stretch_fits(step_takes, step_frees)
+        limit = self._stretch_fits(step_takes, step_frees, takes)
         if head_tokens is not None and step_frees.any():
             zero = np.zeros(R, dtype=np.int64)
             head = self._target(head_tokens, 0, zero, zero)[3]
@@ -474,9 +480,10 @@ class HybridManager:
         out[:, -1, PADDING] = self._fixed_padding()
         return k, out, largest, used, last_target
 
-    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray) -> int:
+    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray, per_seq: np.ndarray) -> int:
         """The first step whose takes might not fit, given each step's takes and frees
-        per row (``[k, rows]``): frees of earlier steps count, a step's own do not.
+        per row (``[k, rows]``; ``per_seq``: the takes ``[rows, k, seqs]``): frees of
+        earlier steps count, a step's own do not.
         This default ignores frees (safe for any pool); pools that know better override."""
         cum = np.cumsum(takes, axis=0)
         for j in range(len(cum)):
@@ -696,6 +703,16 @@ class HybridManager:
 
     def num_used_blocks(self) -> int:
         """Block ids (or small pages) held by sequences."""
+        raise NotImplementedError
+
+    @property
+    def unit_kinds(self) -> list[str]:
+        """What each row index of :meth:`unit_rows` holds."""
+        return [r.kind for r in self.rows]
+
+    def unit_rows(self) -> np.ndarray:
+        """The pool's address space in its own units (blocks, slots, large pages), each
+        marked with the row that holds it, −1 where free (for address maps)."""
         raise NotImplementedError
 
 

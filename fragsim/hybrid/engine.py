@@ -62,8 +62,6 @@ class HybridEngine(Engine):
             raise ValueError("the hybrid KV managers preempt by recompute only (--preemption recompute)")
         if config.batching != "continuous":
             raise ValueError("the hybrid KV managers need continuous batching")
-        if config.address_map_interval_s is not None:
-            raise ValueError("address maps of hybrid pools are not drawn yet")
         self.manager = manager
         # The manager keeps the Allocator protocol in token units; only its placements
         # differ (block ids per row), and the engine does not read them.
@@ -80,6 +78,27 @@ class HybridEngine(Engine):
 
     def _take(self, req: int, owned: int, delta: int = 1) -> None:
         """The manager keeps the bytes; the engine's slot totals are not used."""
+
+    # ----------------------------------------------------------- address maps
+
+    def _sample_address_map(self) -> None:
+        """Which row holds each unit of the pool now (−1: free), binned to
+        ``address_map_bins`` (a bin shows the row of its first unit)."""
+        units = self.manager.unit_rows()
+        bins = min(len(units), self.cfg.address_map_bins)
+        self._map_times.append(self.now)
+        self._map_rows.append(units[(np.arange(bins) * len(units)) // bins])
+        self._map_next = self.now + (self.cfg.address_map_interval_s or 1.0)
+
+    def address_map(self) -> dict[str, Any] | None:
+        """Sampled units: ``time_s`` [T], ``row`` [T, bins] (the row index, −1 free),
+        ``kinds`` (what each row index holds), ``unit`` (blocks, slots or large pages)."""
+        if not self._map_times:
+            return None
+        unit = {"jenga": "large page", "static-partition": "block (pool per kind)",
+                "paged-uniform": "block, then state slot"}.get(self.manager.placement_name, "block")
+        return {"time_s": np.array(self._map_times), "row": np.vstack(self._map_rows),
+                "kinds": self.manager.unit_kinds, "unit": unit}
 
     # -------------------------------------------------------------- recording
 
@@ -145,7 +164,7 @@ class HybridEngine(Engine):
                 rows = rows[np.argsort(b.req[rows], kind="stable")]
                 row_seqs, targets = b.seq[rows], b.offset[rows] + (self.g + 1)
                 moves = m.moves_many(row_seqs, targets)
-                if not m.can_take(moves[-1].sum(axis=1).tolist()):
+                if not m.can_take_all(moves[-1]):
                     super()._grow_decoders()
                     return
                 m.advance_many(row_seqs, targets, moves)

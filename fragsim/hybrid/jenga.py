@@ -157,16 +157,19 @@ class JengaManager(HybridManager):
     def _can_take(self, takes: list[int]) -> bool:
         return self._can_take_with(takes, [0] * len(takes))
 
-    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray) -> int:
-        """Frees are not counted: whether one returns a whole large page depends on its
-        neighbours."""
-        cum = np.cumsum(takes, axis=0)
+    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray, per_seq: np.ndarray) -> int:
+        """Safe for request-aware placement, which opens a fresh large page whenever a
+        request's own pages of a kind are full and one is free: the stretch goes on
+        while even that many openings (each request's takes, ``per_large`` a page)
+        find free large pages, or while every row's takes fit its free small pages."""
+        cum = np.cumsum(per_seq, axis=1)                           # [R, k, n]
+        per = np.array(self.per_large)[:, None, None]
+        opens = (-(-cum // per)).sum(axis=(0, 2))                  # [k]
         avail = np.array([self._available(i) for i in range(len(self.rows))])
-        short = np.maximum(0, cum - avail)
-        per = np.array(self.per_large)
-        opens = (-(-short // per)).sum(axis=1)
-        over = np.flatnonzero(opens > len(self._free_large))
-        return int(over[0]) if len(over) else len(takes)
+        in_slots = (np.cumsum(takes, axis=0) <= avail).all(axis=1)
+        ok = (opens <= len(self._free_large)) | in_slots
+        bad = np.flatnonzero(~ok)
+        return int(bad[0]) if len(bad) else len(takes)
 
     def _fits_empty(self, takes: list[int]) -> bool:
         return sum(-(-t // p) for t, p in zip(takes, self.per_large, strict=True)) <= self.num_large
@@ -178,6 +181,10 @@ class JengaManager(HybridManager):
     def _block_ids(self, seq: int, row: int) -> list[int]:
         tables = self._tables.get(seq)
         return list(tables[row]) if tables else []
+
+    def unit_rows(self) -> np.ndarray:
+        """Large pages: the row each is carved for, −1 where whole and free."""
+        return np.array(self._kind_of, dtype=np.int64)
 
     def _check_pool(self) -> None:
         carved = [p for p in range(self.num_large) if self._kind_of[p] >= 0]

@@ -91,7 +91,7 @@ class PagedUniformManager(HybridManager):
         blocks, states = self._takes(takes)
         return blocks <= self.num_free_blocks() and states <= len(self._state_free)
 
-    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray) -> int:
+    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray, per_seq: np.ndarray) -> int:
         if not self._attention:
             return len(takes)
         short = np.flatnonzero(np.cumsum(takes[:, self._attention[0]]) > self.num_free_blocks())
@@ -109,6 +109,21 @@ class PagedUniformManager(HybridManager):
         if self.rows[row].is_state:
             return [self._slot[seq]] if seq in self._slot else []
         return list(self._blocks.get(seq, []))
+
+    @property
+    def unit_kinds(self) -> list[str]:
+        return [r.kind for r in self.rows] + ["every attention layer"]
+
+    def unit_rows(self) -> np.ndarray:
+        """The uniform blocks (every attention layer: the index after the rows), then
+        the state slots."""
+        blocks = np.full(self.num_blocks, -1, dtype=np.int64)
+        for ids in self._blocks.values():
+            blocks[ids] = len(self.rows)
+        slots = np.full(self.num_state_slots, -1, dtype=np.int64)
+        if self._states:
+            slots[list(self._slot.values())] = self._states[0]
+        return np.concatenate((blocks, slots))
 
     def _check_pool(self) -> None:
         free = self._queue[self._head:]

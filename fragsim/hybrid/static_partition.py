@@ -96,7 +96,7 @@ class StaticPartitionManager(HybridManager):
     def _can_take(self, takes: list[int]) -> bool:
         return all(t <= self.free_blocks(i) for i, t in enumerate(takes))
 
-    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray) -> int:
+    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray, per_seq: np.ndarray) -> int:
         free = np.array([self.free_blocks(i) for i in range(len(self.rows))])
         freed_before = np.vstack((np.zeros((1, len(self.rows)), dtype=np.int64), np.cumsum(frees, axis=0)[:-1]))
         short = np.flatnonzero((np.cumsum(takes, axis=0) > free + freed_before).any(axis=1))
@@ -120,6 +120,16 @@ class StaticPartitionManager(HybridManager):
     def _block_ids(self, seq: int, row: int) -> list[int]:
         tables = self._tables.get(seq)
         return list(tables[row]) if tables else []
+
+    def unit_rows(self) -> np.ndarray:
+        """Each row's pool in turn, its blocks in id order."""
+        parts = []
+        for i, n in enumerate(self.num_blocks):
+            part = np.full(n, -1, dtype=np.int64)
+            for tables in self._tables.values():
+                part[tables[i]] = i
+            parts.append(part)
+        return np.concatenate(parts)
 
     def _check_pool(self) -> None:
         for i, n in enumerate(self.num_blocks):

@@ -102,7 +102,7 @@ class VllmHybridManager(HybridManager):
     def _can_take(self, takes: list[int]) -> bool:
         return sum(takes) <= self.num_free_blocks()
 
-    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray) -> int:
+    def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray, per_seq: np.ndarray) -> int:
         total = takes.sum(axis=1)
         freed_before = np.concatenate(([0], np.cumsum(frees.sum(axis=1))[:-1]))
         short = np.flatnonzero(np.cumsum(total) > self.num_free_blocks() + freed_before)
@@ -119,6 +119,13 @@ class VllmHybridManager(HybridManager):
     def _block_ids(self, seq: int, row: int) -> list[int]:
         tables = self._tables.get(seq)
         return list(tables[row]) if tables else []
+
+    def unit_rows(self) -> np.ndarray:
+        out = np.full(self.num_blocks, -1, dtype=np.int64)
+        for tables in self._tables.values():
+            for i, table in enumerate(tables):
+                out[table] = i
+        return out
 
     def _check_pool(self) -> None:
         free = self._queue[self._head:]
