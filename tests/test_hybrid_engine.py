@@ -122,3 +122,16 @@ def test_address_map_by_kind(name: str) -> None:
     assert (amap["row"] >= 0).any(axis=1).sum() > 1        # the pool was in use at some samples
     m = engine.manager
     assert (m.unit_rows() == -1).all()                      # all freed at the end
+
+
+def test_jenga_stretches_under_pressure() -> None:
+    """Request-aware placement opens fresh large pages while any are free; a stretch
+    must not count on the partly used pages it passes over (a run that once failed)."""
+    spec = _spec("gemma-3-27b", 4 * GiB, n=1000, rate=10.0)
+    trace = load_workload(spec)
+    fast = make_engine(trace, "jenga", spec)
+    fast.run()
+    exact = make_engine(trace, "jenga", RunSpec(**{**spec.to_dict(), "exact_steps": True,
+                                                   "time_window_s": None}))
+    exact.run()
+    np.testing.assert_array_equal(fast.finish, exact.finish)
