@@ -167,15 +167,13 @@ def per_layer_page(spec):
     return spec.page_size_bytes
 
 
-def blocks_held(kv_cache_config, vllm_config, hash_block_size, sched_block_size, L):
-    """Fresh KVCacheManager per L (as scheduler.py builds it), then:
-    allocate_slots(req, L) for the prompt, set num_computed_tokens=L, allocate_slots(req, 1)."""
-    cc = vllm_config.cache_config
-    mgr = KVCacheManager(
+def make_manager(kv_cache_config, vllm_config, hash_block_size, sched_block_size, caching, watermark):
+    """A KVCacheManager as scheduler.py builds it."""
+    return KVCacheManager(
         kv_cache_config=kv_cache_config,
         max_model_len=vllm_config.model_config.max_model_len,
         max_in_flight_tokens=vllm_config.max_in_flight_tokens,
-        enable_caching=cc.enable_prefix_caching,
+        enable_caching=caching,
         use_eagle=False,
         num_hash_lookahead_tokens=0,
         num_prefill_lookahead=0,
@@ -185,9 +183,17 @@ def blocks_held(kv_cache_config, vllm_config, hash_block_size, sched_block_size,
         pcp_world_size=1,
         scheduler_block_size=sched_block_size,
         hash_block_size=hash_block_size,
-        watermark=vllm_config.scheduler_config.watermark,
-        enable_mamba_shared_prefix_checkpoint=cc.enable_mamba_shared_prefix_checkpoint,
+        watermark=watermark,
+        enable_mamba_shared_prefix_checkpoint=vllm_config.cache_config.enable_mamba_shared_prefix_checkpoint,
     )
+
+
+def blocks_held(kv_cache_config, vllm_config, hash_block_size, sched_block_size, L):
+    """Fresh KVCacheManager per L (as scheduler.py builds it), then:
+    allocate_slots(req, L) for the prompt, set num_computed_tokens=L, allocate_slots(req, 1)."""
+    cc = vllm_config.cache_config
+    mgr = make_manager(kv_cache_config, vllm_config, hash_block_size, sched_block_size,
+                       cc.enable_prefix_caching, vllm_config.scheduler_config.watermark)
     hasher = None
     if cc.enable_prefix_caching:
         hash_fn = get_hash_fn_by_name(cc.prefix_caching_hash_algo)
@@ -232,24 +238,7 @@ def replay(kv_cache_config, vllm_config, hash_block_size, sched_block_size, ops)
     ["e", req, q]         num_computed_tokens = q - 1; allocate_slots(req, 1)
     ["f", req]            free(req)
     Per operation: [allocated?, free blocks, non-null blocks per group of req]."""
-    cc = vllm_config.cache_config
-    mgr = KVCacheManager(
-        kv_cache_config=kv_cache_config,
-        max_model_len=vllm_config.model_config.max_model_len,
-        max_in_flight_tokens=vllm_config.max_in_flight_tokens,
-        enable_caching=False,
-        use_eagle=False,
-        num_hash_lookahead_tokens=0,
-        num_prefill_lookahead=0,
-        log_stats=False,
-        enable_kv_cache_events=False,
-        dcp_world_size=1,
-        pcp_world_size=1,
-        scheduler_block_size=sched_block_size,
-        hash_block_size=hash_block_size,
-        watermark=0.0,
-        enable_mamba_shared_prefix_checkpoint=cc.enable_mamba_shared_prefix_checkpoint,
-    )
+    mgr = make_manager(kv_cache_config, vllm_config, hash_block_size, sched_block_size, False, 0.0)
     reqs = {}
     out = []
     for op in ops:

@@ -152,14 +152,19 @@ def kv_budget_bytes(
     """Bytes of the KV pool one GPU holds: what :func:`kv_budget_slots` cuts into slots."""
     tokens = (DEFAULT_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None
               else max_num_batched_tokens)
-    usable, weights, activation, budget = _budget(model, gpu, tp, gpu_memory_utilization, tokens, None)
-    if budget <= 0:
-        raise FragsimError(
-            f"no room for the KV cache of {model.name} on {gpu.name} (tp={tp}): "
-            f"{usable:,} B usable − {weights:,} B weights − {activation:,} B activations "
-            f"= {budget:,} B; raise --tp or --gpu-memory-utilization, or pick a larger GPU"
-        )
-    return budget
+    parts = _budget(model, gpu, tp, gpu_memory_utilization, tokens, None)
+    if parts[3] <= 0:
+        raise _no_room(model, gpu, tp, *parts)
+    return parts[3]
+
+
+def _no_room(model: ModelConfig, gpu: GPUConfig, tp: int, usable: int, weights: int,
+             activation: int, budget: int) -> FragsimError:
+    return FragsimError(
+        f"no room for the KV cache of {model.name} on {gpu.name} (tp={tp}): "
+        f"{usable:,} B usable − {weights:,} B weights − {activation:,} B activations "
+        f"= {budget:,} B; raise --tp or --gpu-memory-utilization, or pick a larger GPU"
+    )
 
 
 def kv_budget_slots(
@@ -178,16 +183,10 @@ def kv_budget_slots(
     """
     tokens = (DEFAULT_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None
               else max_num_batched_tokens)
-    usable, weights, activation, budget = _budget(
-        model, gpu, tp, gpu_memory_utilization, tokens, activation_bytes
-    )
-    slots = max(0, budget) // model.kv_bytes_per_token_per_gpu(tp)
+    parts = _budget(model, gpu, tp, gpu_memory_utilization, tokens, activation_bytes)
+    slots = max(0, parts[3]) // model.kv_bytes_per_token_per_gpu(tp)
     if slots < 1:
-        raise FragsimError(
-            f"no room for the KV cache of {model.name} on {gpu.name} (tp={tp}): "
-            f"{usable:,} B usable − {weights:,} B weights − {activation:,} B activations "
-            f"= {budget:,} B; raise --tp or --gpu-memory-utilization, or pick a larger GPU"
-        )
+        raise _no_room(model, gpu, tp, *parts)
     return slots
 
 

@@ -29,6 +29,7 @@ of the general path; only the number of calls changes.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -40,12 +41,27 @@ from fragsim.engine_state import EngineState
 SHORT = 32
 
 
-def jump(engine: EngineState) -> float:
-    """Advance a stretch of uneventful decode steps at once. Returns its duration (0: none)."""
+class Plan(NamedTuple):
+    """A stretch's length and step times, before any memory moves."""
+
+    k: int                      # steps
+    dts: np.ndarray             # their durations (at least k)
+    starts: list[float]         # their start times, and the end of the last (at least k + 1)
+    ctx0: int                   # tokens the batch holds at its start
+    watch: bool                 # nothing waits: the stretch stops where a request arrives
+
+
+def plan(engine: EngineState) -> Plan | None:
+    """How many uneventful decode steps may run at once, and their times (None: none).
+
+    Stops before the first completion, the first step that starts once the next
+    servable request has arrived (when nothing waits) and the first queue timeout.
+    Memory may shorten it further (:func:`jump_growth`, the hybrid managers).
+    """
     b, cfg = engine.batch, engine.cfg
     n = b.n
     if n == 0 or not engine._quiet or cfg.exact_steps:
-        return 0.0
+        return None
     now = engine.now
     # While requests wait the queue head is blocked and arrivals change nothing; else the
     # stretch stops at the first step that starts once the next servable request is in.
@@ -56,12 +72,12 @@ def jump(engine: EngineState) -> float:
         if nxt < engine.N:
             arrive = float(engine.arrival[nxt])
             if arrive <= now:
-                return 0.0  # it arrived during the last step: that step runs exactly
+                return None  # it arrived during the last step: that step runs exactly
     g = engine.g
     # Stop before the first completion: row r completes when g reaches final − offset.
     k = min(b.end_min() - g - 1, cfg.max_jump_steps)
     if k <= 0:
-        return 0.0
+        return None
     ctx0 = b.offset_sum() + n * g
     step_time = engine._decode_step_time
     if k <= SHORT and step_time is not None:
@@ -91,7 +107,27 @@ def jump(engine: EngineState) -> float:
             since, timeout = float(engine.arrival[first]), cfg.queue_timeout_s
             k = next((j for j in range(k) if starts[j] - since > timeout), k)
     if k <= 0:
+        return None
+    return Plan(k, dts, starts, ctx0, watch)
+
+
+def waiting_counts(engine: EngineState, stretch: Plan, k: int) -> np.ndarray:
+    """Requests waiting during each of the first ``k`` steps of a stretch."""
+    if stretch.watch:
+        # Nothing servable arrives before the stretch ends (that is where it stops).
+        return np.zeros(k, dtype=np.int64)
+    pulled = np.searchsorted(engine.arrival, stretch.starts[:k], side="right")
+    return len(engine.waiting) + len(engine.swapped) \
+        + engine.servable_cum[pulled] - engine.servable_cum[engine._next]
+
+
+def jump(engine: EngineState) -> float:
+    """Advance a stretch of uneventful decode steps at once. Returns its duration (0: none)."""
+    stretch = plan(engine)
+    if stretch is None:
         return 0.0
+    b, cfg = engine.batch, engine.cfg
+    n, g, k, ctx0 = b.n, engine.g, stretch.k, stretch.ctx0
     # Shared slots stay put during a stretch (nothing forks, frees or is admitted), and
     # every shared block is full: Σ owned and Σ filled both count them `shared` too often.
     shared = engine.shared_total
@@ -107,23 +143,17 @@ def jump(engine: EngineState) -> float:
         owned_steps = np.full(k, engine.owned_total, dtype=np.int64)
         internal_steps = np.full(k, engine.internal_total, dtype=np.int64)
         largest = np.full(k, engine.alloc.largest_allocatable(), dtype=np.int64)
-    dts = dts[:k]
+    dts = stretch.dts[:k]
     token_states = np.arange(ctx0 - shared, ctx0 - shared + n * k, n, dtype=np.int64)
-    if watch:
-        # Nothing servable arrives before the stretch ends (that is where it stops).
-        waiting = np.zeros(k, dtype=np.int64)
-    else:
-        pulled = np.searchsorted(engine.arrival, starts[:k], side="right")
-        waiting = len(engine.waiting) + len(engine.swapped) \
-            + engine.servable_cum[pulled] - engine.servable_cum[engine._next]
-    engine.rec.record_steps(now, dts, token_states, owned_steps, internal_steps,
-                            largest, n, waiting, shared)
-    engine.now = float(starts[k])
+    engine.rec.record_steps(engine.now, dts, token_states, owned_steps, internal_steps,
+                            largest, n, waiting_counts(engine, stretch, k), shared)
+    engine.now = float(stretch.starts[k])
     engine.g += k
     engine.num_steps += k
     if cfg.check:
         engine._check()
     return float(dts.sum())
+
 
 def jump_growth(engine: EngineState, filled0: np.ndarray, k: int) -> tuple[int, np.ndarray, np.ndarray]:
     """Paged growth over ``k`` steps: the blocks each step takes, in exact-mode order.

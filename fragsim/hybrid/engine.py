@@ -31,6 +31,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from fragsim import stretch
 from fragsim.allocators import Allocator
 from fragsim.costmodel import CostModel
 from fragsim.engine import Engine, EngineConfig
@@ -184,34 +185,14 @@ class HybridEngine(Engine):
 
     def _jump(self) -> float:
         """A stretch of decode steps, blocks taken and freed at the steps they move."""
+        run = stretch.plan(self)
+        if run is None:
+            return 0.0
         b, cfg, m = self.batch, self.cfg, self.manager
         n = b.n
-        if n == 0 or not self._quiet or cfg.exact_steps:
-            return 0.0
-        g = self.g
-        filled0 = b.offset[:n] + g
-        k = min(int((b.final[:n] - filled0).min()) - 1, cfg.max_jump_steps)
-        if k <= 0:
-            return 0.0
-        ctx = int(filled0.sum()) + n * np.arange(k, dtype=np.int64)
-        dts = self.cost.decode_step_times(n, ctx)
-        starts = np.cumsum(np.concatenate(([self.now], dts)))
-        if not self.waiting and not self.swapped:
-            nxt = int(self.next_servable[self._next])
-            if nxt < self.N:
-                hit = np.flatnonzero(self.arrival[nxt] <= starts[:k])
-                if len(hit):
-                    k = int(hit[0])
-        if cfg.queue_timeout_s is not None:
-            first = next((r for r in self.waiting if self.preemptions[r] == 0), None)
-            if first is not None:
-                hit = np.flatnonzero(starts[:k] - self.arrival[first] > cfg.queue_timeout_s)
-                if len(hit):
-                    k = int(hit[0])
-        if k <= 0:
-            return 0.0
+        filled0 = b.offset[:n] + self.g
         m_seqs = b.seq[:n].copy()
-        k, splits, largest, used, last = m.stretch(m_seqs, b.req[:n], filled0, k, self._head_tokens())
+        k, splits, largest, used, last = m.stretch(m_seqs, b.req[:n], filled0, run.k, self._head_tokens())
         if k <= 0:
             return 0.0
         touched = np.flatnonzero(last >= 0)
@@ -219,15 +200,14 @@ class HybridEngine(Engine):
             b.requested[touched] = last[touched]
             b.owned[touched] = m.owned_many(m_seqs[touched])
         free = splits[:, :, FREE].sum(axis=1)
-        pulled = np.searchsorted(self.arrival, starts[:k], side="right")
-        waiting = len(self.waiting) + len(self.swapped) \
-            + self.servable_cum[pulled] - self.servable_cum[self._next]
-        self.rec.record_steps(self.now, dts[:k], splits[:, :, TOKEN].sum(axis=1), m.capacity - free,
-                              splits[:, :, _HELD_ELSEWHERE].sum(axis=(1, 2)), largest, n, waiting)
-        self.split_rec.record_steps(self.now, dts[:k], splits, used)
-        self.now = float(starts[k])
+        dts = run.dts[:k]
+        self.rec.record_steps(self.now, dts, splits[:, :, TOKEN].sum(axis=1), m.capacity - free,
+                              splits[:, :, _HELD_ELSEWHERE].sum(axis=(1, 2)), largest, n,
+                              stretch.waiting_counts(self, run, k))
+        self.split_rec.record_steps(self.now, dts, splits, used)
+        self.now = float(run.starts[k])
         self.g += k
         self.num_steps += k
         if cfg.check:
             self._check()
-        return float(dts[:k].sum())
+        return float(dts.sum())

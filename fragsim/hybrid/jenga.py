@@ -63,6 +63,8 @@ class JengaManager(HybridManager):
         self._owners: dict[int, dict[int, int]] = {}     # large page -> {seq: small pages it holds}
         self._tables: dict[int, list[list[int]]] = {}    # small page id = large * per_large + slot
         self._free_slots = [0] * len(padded)             # per row: free small pages in its large pages
+        # (seq, row) -> its large pages of that row with a free small page
+        self._open_of: dict[tuple[int, int], dict[int, None]] = {}
 
     # ------------------------------------------------------------- placement
 
@@ -75,29 +77,46 @@ class JengaManager(HybridManager):
         opens = sum(self._opens(i, t - f) for i, (t, f) in enumerate(zip(takes, own_frees, strict=True)))
         return opens <= len(self._free_large)
 
-    def _take_small(self, seq: int, row: int, reserved: int) -> int:
-        """One small page for ``seq``: in its own large page of this kind, else a fresh
-        large page while more than ``reserved`` (what later rows must open) remain,
-        else in another request's partly used page."""
+    def _take_small(self, seq: int, row: int, reserved: int, count: int = 1) -> list[int]:
+        """``count`` small pages for ``seq``: in its own large pages of this kind, else
+        fresh large pages while more than ``reserved`` (what later rows must open)
+        remain, else in other requests' partly used pages."""
         per = self.per_large[row]
-        page = next((p for p in self._partial[row] if seq in self._owners[p]), None)
-        if page is None and len(self._free_large) > reserved:
-            page = self._free_large.pop()
-            self._kind_of[page] = row
-            self._slots[page] = list(range(per))
-            self._partial[row][page] = None
-            self._owners[page] = {}
-            self._free_slots[row] += per
-        if page is None:
-            page = next(iter(self._partial[row]))
-        slots = self._slots[page]
-        slot = slots.pop(0)
-        self._free_slots[row] -= 1
-        if not slots:
-            del self._partial[row][page]
-        owners = self._owners[page]
-        owners[seq] = owners.get(seq, 0) + 1
-        return page * per + slot
+        out: list[int] = []
+        while len(out) < count:
+            mine = self._open_of.get((seq, row))
+            page = next(iter(mine)) if mine else None
+            if page is None and len(self._free_large) > reserved:
+                page = self._free_large.pop()
+                self._kind_of[page] = row
+                self._slots[page] = list(range(per))
+                self._partial[row][page] = None
+                self._owners[page] = {}
+                self._free_slots[row] += per
+            if page is None:
+                page = next(iter(self._partial[row]))
+            slots = self._slots[page]
+            n = min(count - len(out), len(slots))
+            base = page * per
+            out.extend(base + slot for slot in slots[:n])
+            del slots[:n]
+            self._free_slots[row] -= n
+            owners = self._owners[page]
+            owners[seq] = owners.get(seq, 0) + n
+            if slots:
+                self._open_of.setdefault((seq, row), {})[page] = None
+            else:  # full: no owner finds room in it any more
+                del self._partial[row][page]
+                for owner in owners:
+                    self._close(owner, row, page)
+        return out
+
+    def _close(self, seq: int, row: int, page: int) -> None:
+        mine = self._open_of.get((seq, row))
+        if mine is not None and page in mine:
+            del mine[page]
+            if not mine:
+                del self._open_of[(seq, row)]
 
     def _opens(self, row: int, takes: int) -> int:
         """Large pages ``takes`` small pages of ``row`` must open beyond its free slots."""
@@ -114,6 +133,9 @@ class JengaManager(HybridManager):
         owners[seq] -= 1
         if not owners[seq]:
             del owners[seq]
+            self._close(seq, row, page)
+        for owner in owners:  # the page has room again for those still in it
+            self._open_of.setdefault((owner, row), {})[page] = None
         if len(self._slots[page]) == per:  # the whole large page is free again
             del self._partial[row][page], self._slots[page], self._owners[page]
             self._kind_of[page] = -1
@@ -129,8 +151,9 @@ class JengaManager(HybridManager):
                 self._give_back(seq, i, small)
             del tables[i][:f]
         for i, t in enumerate(takes):
-            reserved = sum(self._opens(j, takes[j]) for j in range(i + 1, len(takes)))
-            tables[i].extend(self._take_small(seq, i, reserved) for _ in range(t))
+            if t:
+                reserved = sum(self._opens(j, takes[j]) for j in range(i + 1, len(takes)))
+                tables[i].extend(self._take_small(seq, i, reserved, t))
         return True
 
     def _release(self, seq: int) -> None:
@@ -199,3 +222,10 @@ class JengaManager(HybridManager):
             assert held, f"large page {p} is carved but empty"
         for row in range(len(self.rows)):
             assert self._free_slots[row] == sum(len(self._slots[p]) for p in self._partial[row])
+        for (seq, row), pages in self._open_of.items():
+            assert all(seq in self._owners[p] and self._kind_of[p] == row and self._slots[p]
+                       for p in pages), (seq, row)
+        for p in carved:
+            for seq in self._owners[p]:
+                if self._slots[p]:
+                    assert p in self._open_of.get((seq, self._kind_of[p]), {}), (p, seq)
