@@ -10,7 +10,8 @@ backend table.
     python benchmarks/vllm_crosscheck.py --vllm-python /path/to/vllm-venv/bin/python
     python benchmarks/vllm_crosscheck.py --vllm-python ... --trace azure-conv
 
-With ``--trace``, each model's ``vllm-hybrid`` run on that trace is recorded, every
+With ``--trace``, each model's ``vllm-hybrid`` run on that trace is recorded step by
+step (exact steps, each batched growth as the extends it stands for), every
 allocate, extend and free its engine made, and the same operations are replayed on
 one vLLM KVCacheManager: whether each succeeded, the blocks each group holds for
 the request and the pool's free blocks must agree after every operation (the free
@@ -120,11 +121,17 @@ def record_run(model_name: str, gpu_name: str, trace: str, num_requests: int, po
             super().free(seq_id)
             self._after(["f", seq_id], True, seq_id)
 
+        def advance_many(self, seqs, targets, moves=None) -> None:  # type: ignore[no-untyped-def]
+            # the engine's batched growth, as the extends one by one it stands for
+            for seq, target in zip(seqs.tolist(), targets.tolist(), strict=True):
+                if not self.extend(seq, target - self.num_requested(seq)):
+                    raise AssertionError("batched growth failed")
+
     original = hybrid.VllmHybridManager
     hybrid.VllmHybridManager = Recording  # type: ignore[misc]
     try:
         spec = RunSpec(trace=trace, model=model_name, gpu=gpu_name, max_seq_len=max_seq_len,
-                       num_requests=num_requests, kv_cache_memory_bytes=pool,
+                       num_requests=num_requests, kv_cache_memory_bytes=pool, exact_steps=True,
                        tp=8 if get_model(model_name).weight_bytes > 100e9 else 1)
         engine = make_engine(load_workload(spec), "vllm-hybrid", spec)
         engine.run()
