@@ -207,7 +207,7 @@ def make_hybrid_manager(name: str, spec: RunSpec) -> Any:
         return create_manager(name, model, gpu, pool_bytes=pool_bytes(spec), max_seq_len=spec.max_seq_len,
                               tp=spec.tp, block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
                               max_num_batched_tokens=spec.max_num_batched_tokens,
-                              hybrid_chunked=spec.hybrid_chunked)
+                              hybrid_chunked=spec.hybrid_chunked, track_ids=spec.address_map)
     except ValueError as exc:
         raise FragsimError(f"allocator {name!r}: {exc}") from None
 

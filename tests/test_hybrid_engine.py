@@ -135,3 +135,19 @@ def test_jenga_stretches_under_pressure() -> None:
                                                    "time_window_s": None}))
     exact.run()
     np.testing.assert_array_equal(fast.finish, exact.finish)
+
+
+def test_counts_only_manager_gives_the_same_run() -> None:
+    """vllm-hybrid without block ids (the default unless an address map is drawn) makes
+    the same decisions and split as with them."""
+    spec = _spec("gemma-3-27b", 2 * GiB, n=300, rate=10.0)
+    trace = load_workload(spec)
+    counts = make_engine(trace, "vllm-hybrid", spec, check=True)
+    assert not counts.manager.tracks_ids
+    counts.run()
+    ids = make_engine(trace, "vllm-hybrid", RunSpec(**{**spec.to_dict(), "address_map": True,
+                                                      "time_window_s": None}), check=True)
+    assert ids.manager.tracks_ids
+    ids.run()
+    np.testing.assert_array_equal(counts.finish, ids.finish)
+    np.testing.assert_allclose(counts.split_rec.means(), ids.split_rec.means(), rtol=1e-12)

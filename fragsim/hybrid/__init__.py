@@ -58,11 +58,13 @@ def kind_rows(model: ModelConfig, *, tp: int = 1, block_size: int = 16,
 def create_manager(name: str, model: ModelConfig, gpu: GPUConfig, *, pool_bytes: int,
                    max_seq_len: int, tp: int = 1, block_size: int | None = None,
                    max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                   hybrid_chunked: bool = False) -> HybridManager:
+                   hybrid_chunked: bool = False, track_ids: bool = True) -> HybridManager:
     """The manager ``name`` over ``pool_bytes`` of KV memory on one ``tp`` rank.
 
     ``block_size`` is the attention block in tokens (None: 16, and vLLM's backend
     default for ``vllm-hybrid``, which vLLM may inflate for state layers).
+    ``track_ids=False`` lets ``vllm-hybrid`` keep block counts only (faster; no
+    placements or address maps; the same results).
     """
     if name not in MANAGERS:
         raise ValueError(f"unknown hybrid KV manager {name!r}; choose from {', '.join(MANAGERS)}")
@@ -72,7 +74,7 @@ def create_manager(name: str, model: ModelConfig, gpu: GPUConfig, *, pool_bytes:
         plan = plan_vllm(model, gpu, pool_bytes, tp=tp, max_model_len=max_seq_len,
                          prefix_caching=False, max_num_batched_tokens=max_num_batched_tokens,
                          block_size=block_size, hybrid_manager=True if hybrid_chunked else None)
-        return VllmHybridManager(plan, max_seq_len=max_seq_len)
+        return VllmHybridManager(plan, max_seq_len=max_seq_len, track_ids=track_ids)
     bs = 16 if block_size is None else block_size
     if name == "paged-uniform":
         return PagedUniformManager(kind_rows(model, tp=tp, block_size=bs, frees_window=False),

@@ -178,6 +178,8 @@ class HybridManager:
 
     reserve = "demand"
     grows_on_demand = True
+    #: whether block ids are kept (placement(), address maps); a subclass may keep counts only
+    tracks_ids = True
 
     def __init__(self, *, name: str, placement: str, rows: tuple[Row, ...], capacity: int,
                  max_seq_len: int) -> None:
@@ -209,6 +211,11 @@ class HybridManager:
         self._win = np.array([r.window or 1 for r in rows], dtype=np.int64)[:, None]
         self._chunk = np.array([r.chunk or 1 for r in rows], dtype=np.int64)[:, None]
         self._frees_any = bool(self._sliding.any() or self._chunked.any())
+        # Rows of one shape (kind, window, chunk, block) hold the same blocks of every
+        # sequence (vLLM's groups of one kind): per-position sums are computed once a shape.
+        shapes: dict[tuple, int] = {}
+        self._shape = [shapes.setdefault((r.is_state, r.kind, r.block_tokens, r.window, r.chunk,
+                                          r.frees_window), len(shapes)) for r in rows]
 
     # ---------------------------------------------------------------- lengths
 
@@ -288,7 +295,8 @@ class HybridManager:
         self._lo[:, seq_id] = 0
         self._hi[:, seq_id] = 0
         self._commit(seq_id, num_slots, 0, new_lo, new_hi)
-        return self.placement(seq_id)
+        # Without ids, the blocks per row stand for the placement (the engine only tests it).
+        return self.placement(seq_id) if self.tracks_ids else tuple(self.blocks_held(seq_id))
 
     def extend(self, seq_id: int, num_slots: int) -> bool:
         """Raise the request to ``q + num_slots`` tokens with ``q + num_slots − 1`` of them
@@ -372,16 +380,29 @@ class HybridManager:
             if not self._place(int(seqs[j]), frees[:, j].tolist(), takes[:, j].tolist()):
                 raise AssertionError("advance_many ran out of blocks it was told were free")
         finals = self._finals[seqs] if self._finals is not None else np.full(len(seqs), self.max_seq_len)
-        for i, row in enumerate(self.rows):
-            self.held_blocks[i] += int(((hi1[i] - lo1[i]) - (hi0[i] - lo0[i])).sum())
-            if row.is_state:
-                continue
-            b = row.block_tokens
-            self._floor[i] += int((lo1[i] - lo0[i]).sum()) * b
-            self._tail[i] += int((self._tails(hi1[i], lo1[i], b, finals)
-                                  - self._tails(hi0[i], lo0[i], b, finals)).sum())
+        self._commit_sums(lo0, hi0, lo1, hi1, finals)
         self._lo[:, seqs], self._hi[:, seqs] = lo1, hi1
         self._q[seqs], self._f[seqs] = targets, targets - 1
+
+    def _commit_sums(self, lo0: np.ndarray, hi0: np.ndarray, lo1: np.ndarray, hi1: np.ndarray,
+                     finals: np.ndarray) -> None:
+        """The incremental sums after sequences move from (lo0, hi0) to (lo1, hi1) [rows, seqs]."""
+        done: dict[int, tuple[int, int, int]] = {}
+        for i, row in enumerate(self.rows):
+            shape = self._shape[i]
+            if shape not in done:
+                held = int(((hi1[i] - lo1[i]) - (hi0[i] - lo0[i])).sum())
+                floor = tail = 0
+                if not row.is_state:
+                    b = row.block_tokens
+                    floor = int((lo1[i] - lo0[i]).sum()) * b
+                    tail = int((self._tails(hi1[i], lo1[i], b, finals)
+                                - self._tails(hi0[i], lo0[i], b, finals)).sum())
+                done[shape] = (held, floor, tail)
+            held, floor, tail = done[shape]
+            self.held_blocks[i] += held
+            self._floor[i] += floor
+            self._tail[i] += tail
 
     @staticmethod
     def _tails(hi: np.ndarray, lo: np.ndarray, b: int, finals: np.ndarray) -> np.ndarray:
@@ -444,13 +465,7 @@ class HybridManager:
         # Commit the final blocks and the sums.
         finals = self._finals[seqs] if self._finals is not None else np.full(n, self.max_seq_len)
         lo1, hi1 = lo[:, -1], hi[:, -1]
-        for i, row in enumerate(self.rows):
-            self.held_blocks[i] += int(((hi1[i] - lo1[i]) - (hi0[i] - lo0[i])).sum())
-            if not row.is_state:
-                b = row.block_tokens
-                self._floor[i] += int((lo1[i] - lo0[i]).sum()) * b
-                self._tail[i] += int((self._tails(hi1[i], lo1[i], b, finals)
-                                      - self._tails(hi0[i], lo0[i], b, finals)).sum())
+        self._commit_sums(lo0, hi0, lo1, hi1, finals)
         any_move = moved.any(axis=0)
         last_step = np.where(any_move, k - 1 - np.argmax(moved[::-1], axis=0), -1)
         last_target = np.where(any_move, filled0 + last_step + 1, -1)
@@ -460,18 +475,28 @@ class HybridManager:
         self._f[touched] = last_target[any_move] - 1
         # The split of every step.
         out = np.zeros((k, R + 1, len(CATEGORIES)), dtype=np.int64)
+        per_shape: dict[int, tuple[np.ndarray, ...]] = {}
         for i, row in enumerate(self.rows):
-            held = (hi[i] - lo[i]).sum(axis=1)
+            shape = self._shape[i]
+            if shape not in per_shape:
+                held = (hi[i] - lo[i]).sum(axis=1)
+                if row.is_state:
+                    per_shape[shape] = (held,)
+                else:
+                    b = row.block_tokens
+                    floor = lo[i] * b
+                    in_held = (f - floor).sum(axis=1)
+                    oow = np.maximum(0, row.window_start(f) - floor).sum(axis=1) if row.windowed \
+                        else np.zeros(k, dtype=np.int64)
+                    tail = self._tails(hi[i], lo[i], b, finals[None, :]).sum(axis=1)
+                    per_shape[shape] = (held, in_held, oow, tail)
+            held = per_shape[shape][0]
             out[:, i, PADDING] = held * row.padding_per_block
             if row.is_state:
                 out[:, i, TOKEN] = held * row.state_bytes
                 continue
+            _, in_held, oow, tail = per_shape[shape]
             b, tb = row.block_tokens, row.token_bytes
-            floor = lo[i] * b
-            in_held = (f - floor).sum(axis=1)
-            oow = np.maximum(0, row.window_start(f) - floor).sum(axis=1) if row.windowed \
-                else np.zeros(k, dtype=np.int64)
-            tail = self._tails(hi[i], lo[i], b, finals[None, :]).sum(axis=1)
             out[:, i, TOKEN] = (in_held - oow) * tb
             out[:, i, OUT_OF_WINDOW] = oow * tb
             out[:, i, INTERNAL] = tail * tb
@@ -589,6 +614,7 @@ class HybridManager:
         out = np.zeros((len(self.rows) + 1, len(CATEGORIES)), dtype=np.int64)
         stored = int(computed.sum())
         nseq = len(self._live)
+        oows: dict[int, int] = {}
         for i, row in enumerate(self.rows):
             held = self.held_blocks[i]
             out[i, PADDING] = held * row.padding_per_block
@@ -599,8 +625,10 @@ class HybridManager:
             in_held = stored - self._floor[i]
             oow = 0
             if row.windowed and nseq:
-                start = row.window_start(computed)
-                oow = int(np.maximum(0, start - self._lo[i, seqs] * b).sum())
+                oow = oows.get(self._shape[i], -1)
+                if oow < 0:
+                    start = row.window_start(computed)
+                    oow = oows[self._shape[i]] = int(np.maximum(0, start - self._lo[i, seqs] * b).sum())
             out[i, TOKEN] = (in_held - oow) * tb
             out[i, OUT_OF_WINDOW] = oow * tb
             out[i, INTERNAL] = self._tail[i] * tb
@@ -643,7 +671,8 @@ class HybridManager:
             assert 0 <= f <= final, (seq, f, final)
             for i, row in enumerate(self.rows):
                 lo, hi = int(self._lo[i, seq]), int(self._hi[i, seq])
-                assert len(self._block_ids(seq, i)) == hi - lo, (seq, row.label)
+                if self.tracks_ids:
+                    assert len(self._block_ids(seq, i)) == hi - lo, (seq, row.label)
                 out[i, PADDING] += (hi - lo) * row.padding_per_block
                 if row.is_state:
                     out[i, TOKEN] += (hi - lo) * row.state_bytes

@@ -49,7 +49,8 @@ def rows_of_plan(plan: VllmPlan) -> tuple[Row, ...]:
 class VllmHybridManager(HybridManager):
     """Groups' block tables over one FIFO queue of ``bytes_per_block`` blocks."""
 
-    def __init__(self, plan: VllmPlan, *, max_seq_len: int, name: str = "vllm-hybrid") -> None:
+    def __init__(self, plan: VllmPlan, *, max_seq_len: int, name: str = "vllm-hybrid",
+                 track_ids: bool = True) -> None:
         if plan.num_gpu_blocks < 2:
             raise ValueError(f"the pool holds {plan.num_gpu_blocks} blocks of "
                              f"{plan.bytes_per_block:,} bytes; vLLM needs at least 2 (one is its null block)")
@@ -61,9 +62,13 @@ class VllmHybridManager(HybridManager):
         self._queue = list(range(1, self.num_blocks))
         self._head = 0
         self._tables: dict[int, list[list[int]]] = {}
+        #: False: only block counts are kept (a simulation that draws no address map and
+        #: feeds no device needs no ids; the counts, and so every result, are the same)
+        self.tracks_ids = track_ids
+        self._free_count = self.num_blocks - 1
 
     def num_free_blocks(self) -> int:
-        return len(self._queue) - self._head
+        return len(self._queue) - self._head if self.tracks_ids else self._free_count
 
     def num_used_blocks(self) -> int:
         """Block ids held by requests (vLLM's ``num_blocks − 1 − free``)."""
@@ -73,6 +78,9 @@ class VllmHybridManager(HybridManager):
         need = sum(takes)
         if need > self.num_free_blocks() + sum(frees):
             return False
+        if not self.tracks_ids:
+            self._free_count += sum(frees) - need
+            return True
         tables = self._tables.setdefault(seq, [[] for _ in self.rows])
         queue = self._queue
         for table, n in zip(tables, frees, strict=True):
@@ -89,6 +97,9 @@ class VllmHybridManager(HybridManager):
         return True
 
     def _release(self, seq: int) -> None:
+        if not self.tracks_ids:
+            self._free_count += int((self._hi[:, seq] - self._lo[:, seq]).sum())
+            return
         for table in self._tables.pop(seq, []):
             self._queue.extend(reversed(table))
 
@@ -117,10 +128,14 @@ class VllmHybridManager(HybridManager):
         return sum(takes) <= self.num_blocks - 1
 
     def _block_ids(self, seq: int, row: int) -> list[int]:
+        if not self.tracks_ids:
+            raise ValueError("this vllm-hybrid manager keeps block counts only (track_ids=False)")
         tables = self._tables.get(seq)
         return list(tables[row]) if tables else []
 
     def unit_rows(self) -> np.ndarray:
+        if not self.tracks_ids:
+            raise ValueError("this vllm-hybrid manager keeps block counts only (track_ids=False)")
         out = np.full(self.num_blocks, -1, dtype=np.int64)
         for tables in self._tables.values():
             for i, table in enumerate(tables):
@@ -128,6 +143,9 @@ class VllmHybridManager(HybridManager):
         return out
 
     def _check_pool(self) -> None:
+        if not self.tracks_ids:
+            assert self._free_count + sum(self.held_blocks) == self.num_blocks - 1, "blocks lost"
+            return
         free = self._queue[self._head:]
         held = [b for tables in self._tables.values() for t in tables for b in t]
         assert len(set(free)) == len(free), "free queue holds a block twice"
