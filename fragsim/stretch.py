@@ -126,7 +126,7 @@ def jump(engine: EngineState) -> float:
     stretch = plan(engine)
     if stretch is None:
         return 0.0
-    b, cfg = engine.batch, engine.cfg
+    b = engine.batch
     n, g, k, ctx0 = b.n, engine.g, stretch.k, stretch.ctx0
     # Shared slots stay put during a stretch (nothing forks, frees or is admitted), and
     # every shared block is full: Σ owned and Σ filled both count them `shared` too often.
@@ -147,12 +147,18 @@ def jump(engine: EngineState) -> float:
     token_states = np.arange(ctx0 - shared, ctx0 - shared + n * k, n, dtype=np.int64)
     engine.rec.record_steps(engine.now, dts, token_states, owned_steps, internal_steps,
                             largest, n, waiting_counts(engine, stretch, k), shared)
+    return advance(engine, stretch, k)
+
+
+def advance(engine: EngineState, stretch: Plan, k: int) -> float:
+    """Move the clock and the step counter past the first ``k`` steps of a recorded
+    stretch (checked with ``check=True``); returns their duration."""
     engine.now = float(stretch.starts[k])
     engine.g += k
     engine.num_steps += k
-    if cfg.check:
+    if engine.cfg.check:
         engine._check()
-    return float(dts.sum())
+    return float(stretch.dts[:k].sum())
 
 
 def jump_growth(engine: EngineState, filled0: np.ndarray, k: int) -> tuple[int, np.ndarray, np.ndarray]:

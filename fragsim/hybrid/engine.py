@@ -188,7 +188,7 @@ class HybridEngine(Engine):
         run = stretch.plan(self)
         if run is None:
             return 0.0
-        b, cfg, m = self.batch, self.cfg, self.manager
+        b, m = self.batch, self.manager
         n = b.n
         filled0 = b.offset[:n] + self.g
         m_seqs = b.seq[:n].copy()
@@ -205,9 +205,4 @@ class HybridEngine(Engine):
                               splits[:, :, _HELD_ELSEWHERE].sum(axis=(1, 2)), largest, n,
                               stretch.waiting_counts(self, run, k))
         self.split_rec.record_steps(self.now, dts, splits, used)
-        self.now = float(run.starts[k])
-        self.g += k
-        self.num_steps += k
-        if cfg.check:
-            self._check()
-        return float(dts.sum())
+        return stretch.advance(self, run, k)
