@@ -367,3 +367,44 @@ def test_first_fit_index_splits_and_rechunks() -> None:
     assert index.starts == [[40, 80, 120, 160], [200, 240, 280, 320]]
     assert (index.firsts, index.maxima) == ([40, 200], [17, 33])
     index.check([(o, o // 10 + 1) for o in range(40, 360, 40)])
+
+
+@settings(max_examples=150, deadline=None)
+@given(block_size=st.sampled_from([1, 4, 16]),
+       prompts=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+       grows=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 20)), min_size=1, max_size=12),
+       capacity_blocks=st.integers(4, 60))
+def test_paged_extend_many_is_the_extends_one_by_one(block_size: int, prompts: list[int],
+                                                     grows: list[tuple[int, int]],
+                                                     capacity_blocks: int) -> None:
+    """The engine's batched growth: the same blocks in the same order as extends one by
+    one, or None with nothing changed when they would run out."""
+    def fresh() -> Any:
+        a = create("paged", capacity_blocks * block_size, block_size=block_size, max_seq_len=4096)
+        live = [i for i, p in enumerate(prompts) if a.allocate(i, p) is not None]
+        return a, live
+
+    batched, live = fresh()
+    one_by_one, _ = fresh()
+    if not live:
+        return
+    seqs = [live[i % len(live)] for i, _ in grows]
+    slots = [n for _, n in grows]
+    before = ({s: batched.placement(s) for s in live}, batched.free_block_ids())
+    result = batched.extend_many(seqs, slots)
+    owned_after: list[int] = []
+    ok = True
+    for s, n in zip(seqs, slots, strict=True):
+        if not one_by_one.extend(s, n):
+            ok = False
+            break
+        owned_after.append(one_by_one.num_owned(s))
+    if result is None:
+        assert not ok
+        assert ({s: batched.placement(s) for s in live}, batched.free_block_ids()) == before
+    else:
+        assert ok
+        assert {s: batched.placement(s) for s in live} == {s: one_by_one.placement(s) for s in live}
+        assert batched.free_block_ids() == one_by_one.free_block_ids()
+        assert result == owned_after
+    batched.check()
