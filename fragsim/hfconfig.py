@@ -2,7 +2,7 @@
 that the KV cache depends on. The file is the user's; nothing is fetched.
 
 ``read_hf_config(path)`` takes a ``config.json`` or a directory that holds one and
-returns a :class:`fragsim.catalog.ModelConfig` with its :attr:`layers`. Covered
+returns a :class:`fragsim.configs.ModelConfig` with its :attr:`layers`. Covered
 (``architectures[0]``)::
 
     dense      Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OPT
@@ -267,7 +267,7 @@ def read_hf_config(path: str | os.PathLike[str]) -> Any:
 def model_from_hf(raw: dict[str, Any], where: str, *, name: str, source: str) -> Any:
     """A ModelConfig from the fields of a parsed ``config.json``; errors start with
     ``where``."""
-    from fragsim.catalog import ModelConfig
+    from fragsim.configs import ModelConfig
 
     archs = raw.get("architectures")
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
