@@ -166,6 +166,9 @@ def _make(kind: str, capacity: int) -> object:
         return StaticPartitionManager(_rows(kind), capacity, max_seq_len=64, step_tokens=64)
     if kind == "jenga":
         return JengaManager(_rows(kind), capacity, max_seq_len=64)
+    if kind == "jenga_equal":  # equal pages: a small page is a whole large page
+        equal = tuple(Row(**{**r.__dict__, "block_bytes": 144}) for r in _rows("jenga"))
+        return JengaManager(equal, capacity, max_seq_len=64)
     return _VllmLike(_padded_plan_rows(_rows(kind)), capacity)
 
 
@@ -242,7 +245,7 @@ def _machine(kind: str) -> type:
     return Machine
 
 
-for _kind in ("uniform", "vllm", "jenga", "static"):
+for _kind in ("uniform", "vllm", "jenga", "jenga_equal", "static"):
     _cls = _machine(_kind)
     _cls.TestCase.settings = settings(max_examples=40, stateful_step_count=60, deadline=None)
     globals()[f"TestStateMachine_{_kind}"] = _cls.TestCase

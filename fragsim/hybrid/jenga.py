@@ -82,6 +82,13 @@ class JengaManager(HybridManager):
         fresh large pages while more than ``reserved`` (what later rows must open)
         remain, else in other requests' partly used pages."""
         per = self.per_large[row]
+        if per == 1:  # a small page is a whole large page: no partly used pages ever
+            pages = [self._free_large.pop() for _ in range(count)]
+            for page in pages:
+                self._kind_of[page] = row
+                self._slots[page] = []
+                self._owners[page] = {seq: 1}
+            return pages
         out: list[int] = []
         while len(out) < count:
             mine = self._open_of.get((seq, row))
@@ -125,6 +132,11 @@ class JengaManager(HybridManager):
 
     def _give_back(self, seq: int, row: int, small: int) -> None:
         per = self.per_large[row]
+        if per == 1:
+            del self._slots[small], self._owners[small]
+            self._kind_of[small] = -1
+            self._free_large.append(small)
+            return
         page, slot = divmod(small, per)
         self._slots[page].append(slot)
         self._free_slots[row] += 1
