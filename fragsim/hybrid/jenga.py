@@ -84,10 +84,10 @@ class JengaManager(HybridManager):
         per = self.per_large[row]
         if per == 1:  # a small page is a whole large page: no partly used pages ever
             pages = [self._free_large.pop() for _ in range(count)]
-            for page in pages:
-                self._kind_of[page] = row
-                self._slots[page] = []
-                self._owners[page] = {seq: 1}
+            for whole in pages:
+                self._kind_of[whole] = row
+                self._slots[whole] = []
+                self._owners[whole] = {seq: 1}
             return pages
         out: list[int] = []
         while len(out) < count:
