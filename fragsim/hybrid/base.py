@@ -133,17 +133,6 @@ class Row:
             return cdiv((lo + 1) * self.block_tokens, self.chunk) * self.chunk
         return None
 
-    def lo_blocks_many(self, computed: np.ndarray) -> np.ndarray:
-        """:meth:`lo_blocks` for many sequences."""
-        if not self.frees_window or not self.windowed:
-            return np.zeros_like(computed)
-        b = self.block_tokens
-        if self.kind == "sliding":
-            assert self.window is not None
-            return np.maximum(0, computed - self.window + 1) // b
-        assert self.chunk is not None
-        return np.where(computed > 0, (computed // self.chunk * self.chunk) // b, 0)
-
     def next_free_at_many(self, lo: np.ndarray) -> np.ndarray | None:
         """:meth:`next_free_at` for many sequences (None: never)."""
         if not self.frees_window or not self.windowed:
@@ -202,7 +191,6 @@ class HybridManager:
         self.held_blocks = [0] * len(rows)             # Σ (hi − lo) over live sequences
         self._floor = [0] * len(rows)                  # Σ lo · B
         self._tail = [0] * len(rows)                   # Σ internal-fragmentation positions
-        self._windowed = [i for i, r in enumerate(rows) if r.windowed]
         # Row parameters as columns, so that blocks of all rows move in one numpy call.
         self._attn = np.array([not r.is_state for r in rows])[:, None]
         self._bt = np.array([r.block_tokens or 1 for r in rows], dtype=np.int64)[:, None]
@@ -314,12 +302,6 @@ class HybridManager:
         self._commit(seq_id, q, computed, new_lo, new_hi)
         return True
 
-    def preview_extend(self, seq_id: int, num_slots: int) -> tuple[list[int], list[int]]:
-        """The blocks each row would free and take on ``extend(seq_id, num_slots)``."""
-        q = int(self._q[seq_id]) + num_slots
-        _, _, frees, takes = self._target(q, q - 1, self._lo[:, seq_id], self._hi[:, seq_id])
-        return frees, takes
-
     def can_take_all(self, per_seq: np.ndarray) -> bool:
         """Whether every sequence can take its blocks, ``per_seq[r, s]`` of row ``r``,
         one sequence after another (:meth:`advance_many`)."""
@@ -362,12 +344,6 @@ class HybridManager:
         frees = np.maximum(0, np.minimum(lo1, hi0) - lo0)
         takes = np.maximum(0, hi1 - np.maximum(hi0, lo1))
         return lo0, hi0, lo1, hi1, frees, takes
-
-    def step_moves(self, seqs: np.ndarray, targets: np.ndarray) -> tuple[list[int], bool]:
-        """Blocks each row takes, and whether any block is freed, if every sequence in
-        ``seqs`` extends to its target (nothing changes)."""
-        *_, frees, takes = self._moves_many(seqs, targets)
-        return takes.sum(axis=1).tolist(), bool(frees.any())
 
     def advance_many(self, seqs: np.ndarray, targets: np.ndarray,
                      moves: tuple[np.ndarray, ...] | None = None) -> None:
@@ -635,31 +611,6 @@ class HybridManager:
             out[i, RESERVATION] = (held * b - in_held - self._tail[i]) * tb
         out[:, FREE] = self._free_bytes()
         out[-1, PADDING] = self._fixed_padding()
-        return out
-
-    def split_steps(self, seqs: np.ndarray, computed0: np.ndarray, k: int) -> np.ndarray:
-        """:meth:`split` for ``k`` steps in which every sequence computes one token a
-        step and no block moves: ``[k, rows + 1, categories]``."""
-        out = np.repeat(self.split(seqs, computed0)[None], k, axis=0)
-        if k <= 1:
-            return out
-        steps = np.arange(k, dtype=np.int64)
-        n = len(seqs)
-        for i in range(len(self.rows)):
-            row = self.rows[i]
-            if row.is_state:
-                continue
-            tb, b = row.token_bytes, row.block_tokens
-            grow = n * steps
-            oow = np.zeros(k, dtype=np.int64)
-            if row.windowed and n:
-                lo = self._lo[i, seqs] * b
-                start = row.window_start(computed0[None, :] + steps[:, None])
-                oow = np.maximum(0, start - lo[None, :]).sum(axis=1)
-                oow -= oow[0]
-            out[:, i, TOKEN] += (grow - oow) * tb
-            out[:, i, OUT_OF_WINDOW] += oow * tb
-            out[:, i, RESERVATION] -= grow * tb
         return out
 
     def split_slow(self, seqs: np.ndarray, computed: np.ndarray) -> np.ndarray:
