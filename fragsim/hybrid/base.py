@@ -351,10 +351,7 @@ class HybridManager:
         memory is known to hold every block taken (:meth:`can_take`); ``moves`` is
         :meth:`moves_many`'s answer when the caller has it."""
         lo0, hi0, lo1, hi1, frees, takes = moves or self._moves_many(seqs, targets)
-        moved = np.flatnonzero(frees.any(axis=0) | takes.any(axis=0))
-        for j in moved.tolist():
-            if not self._place(int(seqs[j]), frees[:, j].tolist(), takes[:, j].tolist()):
-                raise AssertionError("advance_many ran out of blocks it was told were free")
+        self._place_many(seqs, frees, takes)
         finals = self._finals[seqs] if self._finals is not None else np.full(len(seqs), self.max_seq_len)
         self._commit_sums(lo0, hi0, lo1, hi1, finals)
         self._lo[:, seqs], self._hi[:, seqs] = lo1, hi1
@@ -662,6 +659,13 @@ class HybridManager:
 
     def _release(self, seq: int) -> None:
         raise NotImplementedError
+
+    def _place_many(self, seqs: np.ndarray, frees: np.ndarray, takes: np.ndarray) -> None:
+        """:meth:`_place` for each sequence in turn (``[rows, seqs]``), known to fit."""
+        moved = np.flatnonzero(frees.any(axis=0) | takes.any(axis=0))
+        for j in moved.tolist():
+            if not self._place(int(seqs[j]), frees[:, j].tolist(), takes[:, j].tolist()):
+                raise AssertionError("advance_many ran out of blocks it was told were free")
 
     def _free_bytes(self) -> list[int]:
         raise NotImplementedError

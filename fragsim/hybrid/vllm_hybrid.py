@@ -96,6 +96,15 @@ class VllmHybridManager(HybridManager):
             self._head = 0
         return True
 
+    def _place_many(self, seqs: np.ndarray, frees: np.ndarray, takes: np.ndarray) -> None:
+        if self.tracks_ids:
+            super()._place_many(seqs, frees, takes)
+            return
+        # Counts only: frees and takes of one known-to-fit batch add up in any order.
+        self._free_count += int(frees.sum()) - int(takes.sum())
+        if self._free_count < 0:
+            raise AssertionError("advance_many ran out of blocks it was told were free")
+
     def _release(self, seq: int) -> None:
         if not self.tracks_ids:
             self._free_count += int((self._hi[:, seq] - self._lo[:, seq]).sum())
