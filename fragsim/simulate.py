@@ -177,14 +177,15 @@ def pool_slots(spec: RunSpec) -> int:
                            max_num_batched_tokens=spec.max_num_batched_tokens)
 
 
-def pool_bytes(spec: RunSpec) -> int:
+def pool_bytes(spec: RunSpec, model_gpu: tuple[Any, Any] | None = None) -> int:
     """KV pool bytes on one GPU: ``--kv-cache-memory-bytes``, ``--kv-slots`` slots of the
-    model's all-full-attention bytes, or the budget vLLM would compute."""
+    model's all-full-attention bytes, or the budget vLLM would compute
+    (``model_gpu``: the spec's model and GPU when the caller has them)."""
     if spec.kv_cache_memory_bytes is not None:
         if spec.kv_cache_memory_bytes < 1:
             raise FragsimError(f"--kv-cache-memory-bytes must be >= 1, got {spec.kv_cache_memory_bytes}")
         return spec.kv_cache_memory_bytes
-    model, gpu = _model_gpu(spec)
+    model, gpu = model_gpu or _model_gpu(spec)
     if spec.kv_slots is not None:
         return pool_slots(spec) * model.kv_bytes_per_token_per_gpu(spec.tp)
     from fragsim.capacity import kv_budget_bytes
@@ -199,12 +200,13 @@ def is_hybrid_manager(name: str) -> bool:
     return name in MANAGERS
 
 
-def make_hybrid_manager(name: str, spec: RunSpec) -> Any:
+def make_hybrid_manager(name: str, spec: RunSpec, model_gpu: tuple[Any, Any] | None = None) -> Any:
     from fragsim.hybrid import create_manager
 
-    model, gpu = _model_gpu(spec)
+    model, gpu = model_gpu or _model_gpu(spec)
     try:
-        return create_manager(name, model, gpu, pool_bytes=pool_bytes(spec), max_seq_len=spec.max_seq_len,
+        return create_manager(name, model, gpu, pool_bytes=pool_bytes(spec, (model, gpu)),
+                              max_seq_len=spec.max_seq_len,
                               tp=spec.tp, block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
                               max_num_batched_tokens=spec.max_num_batched_tokens,
                               hybrid_chunked=spec.hybrid_chunked, track_ids=spec.address_map)
@@ -253,7 +255,7 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
 
     model, gpu = _model_gpu(spec)
     hybrid = is_hybrid_manager(allocator_name)
-    allocator = make_hybrid_manager(allocator_name, spec) if hybrid \
+    allocator = make_hybrid_manager(allocator_name, spec, (model, gpu)) if hybrid \
         else make_allocator(allocator_name, pool_slots(spec), spec)
     try:
         cost = make_cost_model(spec.cost_model, model=model, gpu=gpu, tp=spec.tp,

@@ -185,7 +185,6 @@ class HybridManager:
         self._finals: np.ndarray | None = None
         self._live: dict[int, None] = {}
         self._q = np.zeros(0, dtype=np.int64)
-        self._f = np.zeros(0, dtype=np.int64)          # computed at its last allocate/extend
         self._lo = np.zeros((len(rows), 0), dtype=np.int64)
         self._hi = np.zeros((len(rows), 0), dtype=np.int64)
         self.held_blocks = [0] * len(rows)             # Σ (hi − lo) over live sequences
@@ -221,11 +220,9 @@ class HybridManager:
     def _ensure(self, seq: int) -> None:
         if seq >= len(self._q):
             size = max(seq + 1, 2 * len(self._q), 64)
-            for name in ("_q", "_f"):
-                old = getattr(self, name)
-                new = np.zeros(size, dtype=np.int64)
-                new[: len(old)] = old
-                setattr(self, name, new)
+            q = np.zeros(size, dtype=np.int64)
+            q[: len(self._q)] = self._q
+            self._q = q
             for name in ("_lo", "_hi"):
                 old = getattr(self, name)
                 new = np.zeros((len(self.rows), size), dtype=np.int64)
@@ -249,7 +246,7 @@ class HybridManager:
             new_hi.append(hi1)
         return new_lo, new_hi, frees, takes
 
-    def _commit(self, seq: int, q: int, computed: int, new_lo: list[int], new_hi: list[int]) -> None:
+    def _commit(self, seq: int, q: int, new_lo: list[int], new_hi: list[int]) -> None:
         final = self._final(seq)
         for i, row in enumerate(self.rows):
             lo0, hi0 = int(self._lo[i, seq]), int(self._hi[i, seq])
@@ -260,7 +257,7 @@ class HybridManager:
                 self._floor[i] += (lo1 - lo0) * b
                 self._tail[i] += self._tail_of(hi1, lo1, b, final) - self._tail_of(hi0, lo0, b, final)
             self._lo[i, seq], self._hi[i, seq] = lo1, hi1
-        self._q[seq], self._f[seq] = q, computed
+        self._q[seq] = q
 
     @staticmethod
     def _tail_of(hi: int, lo: int, block_tokens: int, final: int) -> int:
@@ -282,7 +279,7 @@ class HybridManager:
         self._live[seq_id] = None
         self._lo[:, seq_id] = 0
         self._hi[:, seq_id] = 0
-        self._commit(seq_id, num_slots, 0, new_lo, new_hi)
+        self._commit(seq_id, num_slots, new_lo, new_hi)
         # Without ids, the blocks per row stand for the placement (the engine only tests it).
         return self.placement(seq_id) if self.tracks_ids else tuple(self.blocks_held(seq_id))
 
@@ -299,7 +296,7 @@ class HybridManager:
         new_lo, new_hi, frees, takes = self._target(q, computed, self._lo[:, seq_id], self._hi[:, seq_id])
         if (any(frees) or any(takes)) and not self._place(seq_id, frees, takes):
             return False
-        self._commit(seq_id, q, computed, new_lo, new_hi)
+        self._commit(seq_id, q, new_lo, new_hi)
         return True
 
     def can_take_all(self, per_seq: np.ndarray) -> bool:
@@ -307,13 +304,6 @@ class HybridManager:
         one sequence after another (:meth:`advance_many`)."""
         return self._stretch_fits(per_seq.sum(axis=1)[None, :], np.zeros((1, len(self.rows))),
                                   per_seq[:, None, :]) == 1
-
-    def can_take(self, takes: list[int]) -> bool:
-        """Whether the free memory holds ``takes[r]`` more blocks of each row, counting
-        no block that a free in between would return."""
-        return self._can_take(takes)
-
-    # ------------------------------------------------ many sequences at once
 
     def _blocks_at(self, lo0: np.ndarray, hi0: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(lo, hi) of every row for sequences at (lo0, hi0) [rows, ...] extended to
@@ -355,7 +345,7 @@ class HybridManager:
         finals = self._finals[seqs] if self._finals is not None else np.full(len(seqs), self.max_seq_len)
         self._commit_sums(lo0, hi0, lo1, hi1, finals)
         self._lo[:, seqs], self._hi[:, seqs] = lo1, hi1
-        self._q[seqs], self._f[seqs] = targets, targets - 1
+        self._q[seqs] = targets
 
     def _commit_sums(self, lo0: np.ndarray, hi0: np.ndarray, lo1: np.ndarray, hi1: np.ndarray,
                      finals: np.ndarray) -> None:
@@ -445,7 +435,6 @@ class HybridManager:
         self._lo[:, seqs], self._hi[:, seqs] = lo1, hi1
         touched = seqs[any_move]
         self._q[touched] = last_target[any_move]
-        self._f[touched] = last_target[any_move] - 1
         # The split of every step.
         out = np.zeros((k, R + 1, len(CATEGORIES)), dtype=np.int64)
         per_shape: dict[int, tuple[np.ndarray, ...]] = {}
@@ -512,7 +501,7 @@ class HybridManager:
             raise ValueError(f"free of unknown sequence {seq_id}")
         self._release(seq_id)
         zero = [0] * len(self.rows)
-        self._commit(seq_id, 0, 0, zero, zero)
+        self._commit(seq_id, 0, zero, zero)
         del self._live[seq_id]
 
     def can_allocate(self, num_slots: int) -> bool:
