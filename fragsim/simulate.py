@@ -250,7 +250,10 @@ def make_allocator(name: str, capacity: int, spec: RunSpec) -> Any:
 
 
 def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
-                progress: Callable[[int], None] | None = None, check: bool = False) -> Engine:
+                progress: Callable[[int], None] | None = None, check: bool = False,
+                cost: Any = None) -> Engine:
+    """The engine a spec describes; ``cost`` (a cost model object) overrides
+    ``spec.cost_model`` (the calibration fit tries many)."""
     from fragsim.costmodel import make_cost_model
 
     model, gpu = _model_gpu(spec)
@@ -258,8 +261,9 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
     allocator = make_hybrid_manager(allocator_name, spec, (model, gpu)) if hybrid \
         else make_allocator(allocator_name, pool_slots(spec), spec)
     try:
-        cost = make_cost_model(spec.cost_model, model=model, gpu=gpu, tp=spec.tp,
-                               step_time=spec.step_time_s)
+        if cost is None:
+            cost = make_cost_model(spec.cost_model, model=model, gpu=gpu, tp=spec.tp,
+                                   step_time=spec.step_time_s)
         kv_per_gpu = model.kv_bytes_per_token_per_gpu(spec.tp)
         resolution = spec.timeseries_resolution_s
         if resolution is None:
@@ -407,8 +411,9 @@ def _sharing_summary(engine: Engine, mean_free: float) -> dict[str, Any]:
 
 
 def simulate(trace: Any, allocator_name: str, spec: RunSpec,
-             progress: Callable[[int], None] | None = None, check: bool = False) -> RunResult:
-    engine = make_engine(trace, allocator_name, spec, progress=progress, check=check)
+             progress: Callable[[int], None] | None = None, check: bool = False,
+             cost: Any = None) -> RunResult:
+    engine = make_engine(trace, allocator_name, spec, progress=progress, check=check, cost=cost)
     t0 = time.perf_counter()
     engine.run()
     wall = time.perf_counter() - t0

@@ -228,7 +228,8 @@ def test_bigger_pages_waste_more_inside_and_at_the_tails() -> None:
 
 
 def test_cli_runs_vmm_with_a_page_size(capsys: pytest.CaptureFixture[str]) -> None:
-    code = cli_main(["run", "--allocator", "vmm,vattention", "--page-kb", "2048", "--num-requests", "60",
+    code = cli_main(["run", "--model", "opt-13b", "--gpu", "a100-40gb", "--allocator", "vmm,vattention",
+                     "--page-kb", "2048", "--num-requests", "60",
                      "--no-save", "--json"])
     assert code == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -72,13 +72,13 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
 
 def add_system_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model, GPU and memory")
-    g.add_argument("--model", default="opt-13b",
+    g.add_argument("--model", default="llama-3.1-8b",
                    help="model preset, or a Hugging Face config.json (or its folder) "
                         "(default: %(default)s)")
     g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="KV cache element type: auto (the model's), fp16, bf16, fp32, fp8, "
                         "fp8_e4m3, fp8_e5m2 (default auto)")
-    g.add_argument("--gpu", default="a100-40gb", help="GPU preset (default: %(default)s)")
+    g.add_argument("--gpu", default="h100-80gb", help="GPU preset (default: %(default)s)")
     g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
     g.add_argument("--catalog", help="TOML file with custom models/GPUs")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -100,8 +100,9 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
                    help="vmm physical page in KiB (default 2048; vattention is 2048 unless given)")
     g.add_argument("--fit", choices=("first", "best"), default="first", help="contiguous placement fit")
     g = p.add_argument_group("scheduler")
-    g.add_argument("--max-seq-len", type=positive_int, default=2048,
-                   help="longest prompt+output a request may have (default 2048)")
+    g.add_argument("--max-seq-len", type=positive_int,
+                   help="longest prompt+output a request may have (default: the model's context, "
+                        "as vLLM's max_model_len)")
     g.add_argument("--max-num-seqs", type=positive_int, default=256,
                    help="most sequences running at once (default 256)")
     g.add_argument("--max-num-batched-tokens", type=positive_int,
@@ -129,7 +130,11 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--system-prompt-len", type=int, default=0, metavar="S",
                    help="prepend one shared S-token system prompt to every request (default 0)")
     g = p.add_argument_group("cost model")
-    g.add_argument("--cost-model", choices=("roofline", "fixed"), default="roofline")
+    g.add_argument("--cost-model", default="auto", metavar="NAME|FILE",
+                   help="step times: auto (a fitted preset for the model and GPU if one exists, "
+                        "else roofline), roofline, fixed, a preset (vllm-paper, "
+                        "blis-llama-3.1-8b-h100) or a TOML file from fragsim calibrate "
+                        "(default: %(default)s)")
     g.add_argument("--step-time", type=positive_float, default=0.02,
                    help="seconds per step with --cost-model fixed (default 0.02)")
 
@@ -137,11 +142,18 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
 def spec_from_args(args: argparse.Namespace) -> Any:
     from fragsim.simulate import RunSpec
 
+    max_seq_len = args.max_seq_len
+    if max_seq_len is None:
+        from fragsim.simulate import _model_gpu
+
+        model, _ = _model_gpu(RunSpec(model=args.model, gpu=args.gpu, catalog=args.catalog,
+                                     kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto")))
+        max_seq_len = int(model.max_position_embeddings)
     return RunSpec(
         trace=args.trace, model=args.model, gpu=args.gpu, tp=args.tp, catalog=args.catalog,
         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         reserve=args.reserve, block_size=args.block_size, fit=args.fit,
-        max_seq_len=args.max_seq_len, max_num_seqs=args.max_num_seqs,
+        max_seq_len=max_seq_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_slots=args.kv_slots,
         kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
@@ -235,8 +247,12 @@ def main(args: argparse.Namespace) -> int:
     model, gpu = _model_gpu(spec)
     if spec.max_seq_len > model.max_position_embeddings:
         print(f"fragsim: warning: {context_note(model, spec.max_seq_len)}", file=sys.stderr)
+    from fragsim.costmodel import describe_cost_model
     from fragsim.simulate import is_hybrid_manager
 
+    cost_name, cost_note = describe_cost_model(spec.cost_model, model, gpu, spec.tp)
+    if cost_note:
+        print(f"fragsim: warning: {cost_note}", file=sys.stderr)
     dense_on_hybrid = model.is_hybrid and not all(is_hybrid_manager(a) for a in allocators)
     hybrid_note = full_attention_note(model, gpu, spec) if dense_on_hybrid else None
     if hybrid_note:
@@ -271,7 +287,8 @@ def main(args: argparse.Namespace) -> int:
     s0 = results[0].summary
     pool = (f"KV pool {s0['capacity_slots']:,} slots" if s0["capacity_slots"] is not None
             else f"KV pool {s0['kv_pool_bytes'] / 2**30:,.2f} GiB")
-    title = f"{trace.name}: {len(trace):,} requests on {spec.model} / {spec.gpu} (tp={spec.tp}), {pool}"
+    title = (f"{trace.name}: {len(trace):,} requests on {spec.model} / {spec.gpu} (tp={spec.tp}), "
+             f"{pool}, max-seq-len {spec.max_seq_len:,}; step times: {cost_name}")
     out.print(comparison_table([r.summary for r in results], title))
     notes = []
     if s0["num_refused_too_long"]:

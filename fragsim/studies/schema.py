@@ -51,6 +51,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Any
 
+from fragsim.costmodel import COST_MODELS
 from fragsim.errors import FragsimError
 from fragsim.simulate import RunSpec
 from fragsim.studies.workloads import check_workload
@@ -71,7 +72,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "batching": ("continuous", "static"),
     "preemption": ("recompute", "swap"),
     "arrival": ("poisson", "gamma"),
-    "cost_model": ("roofline", "fixed"),
+    "cost_model": COST_MODELS,
     "fit": ("first", "best"),
     "reserve": ("max", "pow2", "oracle"),
 }
