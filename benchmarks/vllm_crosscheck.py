@@ -19,6 +19,15 @@ count is not compared while a failed extension waits for its retry: vLLM has
 already dropped that request's skipped blocks, fragsim's manager drops them on the
 retry).
 
+With ``--prefix-caching`` (a trace with content hashes, e.g. Mooncake's
+conversation trace), the run is ``vllm-hybrid`` with prefix caching and vLLM's
+manager gets ``enable_caching=True``: each admission first asks vLLM's
+``get_computed_blocks`` with fragsim's prompt-block keys as the request's block
+hashes, and the tokens hit must agree as well; the blocks fragsim registers at
+the end of a step are registered with vLLM's ``cache_blocks`` at the same point
+(``allocate_slots`` is told to delay its own caching). A failed extension frees
+its window's blocks in both, so free counts are compared after every operation.
+
 Prints one line per case and exits 1 on any difference.
 """
 
@@ -89,11 +98,14 @@ def compare(plan: VllmPlan, ref: dict) -> list[str]:
 
 
 TRACE_MODELS = ["gpt-oss-20b", "gemma-3-27b", "jamba-mini-1.5", "nemotron-h-8b", "qwen3-next-80b-a3b"]
+#: with --prefix-caching: the hybrids whose kinds all hit (state layers are not modelled)
+PREFIX_MODELS = ["gpt-oss-20b", "gemma-3-27b"]
 
 
 def record_run(model_name: str, gpu_name: str, trace: str, num_requests: int, pool: int,
-               max_seq_len: int) -> tuple[VllmPlan, list[list], list[list]]:
-    """A vllm-hybrid run's manager operations and its state after each one."""
+               max_seq_len: int, prefix_caching: bool = False) -> tuple[VllmPlan, list[list], list[list]]:
+    """A vllm-hybrid run's manager operations and its state after each one (with
+    prefix caching, an admission's state ends with the tokens it hit)."""
     import fragsim.hybrid as hybrid
     from fragsim.simulate import RunSpec, load_workload, make_engine
 
@@ -127,24 +139,76 @@ def record_run(model_name: str, gpu_name: str, trace: str, num_requests: int, po
                 if not self.extend(seq, target - self.num_requested(seq)):
                     raise AssertionError("batched growth failed")
 
-    original = hybrid.VllmHybridManager
-    hybrid.VllmHybridManager = Recording  # type: ignore[misc]
+    class RecordingPrefix(hybrid.VllmPrefixManager):
+        _asked: tuple[list[int], int, int] = ([], 0, 0)
+
+        def lookup(self, keys: list[int], max_len: int):  # type: ignore[no-untyped-def]
+            hit = super().lookup(keys, max_len)
+            self._asked = (list(keys), max_len, hit.tokens)
+            return hit
+
+        def allocate(self, seq_id: int, num_slots: int, hit=None, prompt_len=None):  # type: ignore[no-untyped-def]
+            placed = super().allocate(seq_id, num_slots, hit, prompt_len)
+            keys, max_len, tokens = self._asked
+            ops.append(["a", seq_id, num_slots, self._final(seq_id), keys, max_len,
+                        num_slots - 1 if prompt_len is None else prompt_len])
+            states.append([placed is not None, self.num_free_blocks(), self._held(seq_id), tokens])
+            return placed
+
+        def extend(self, seq_id: int, num_slots: int) -> bool:
+            q = self.num_requested(seq_id) + num_slots
+            ok = super().extend(seq_id, num_slots)
+            ops.append(["e", seq_id, q])
+            states.append([ok, self.num_free_blocks(), self._held(seq_id), None])
+            return ok
+
+        def cache_blocks(self, seq_id: int, keys: list[int]) -> None:
+            super().cache_blocks(seq_id, keys)
+            ops.append(["c", seq_id, len(keys) * self.block_size])
+            states.append([True, self.num_free_blocks(), self._held(seq_id), None])
+
+        def free(self, seq_id: int) -> None:
+            super().free(seq_id)
+            ops.append(["f", seq_id])
+            states.append([True, self.num_free_blocks(), self._held(seq_id), None])
+
+        def _held(self, seq: int) -> list[int]:
+            return self.blocks_held(seq) if seq in self._live else [0] * len(self.rows)
+
+        def advance_many(self, seqs, targets, moves=None) -> None:  # type: ignore[no-untyped-def]
+            for seq, target in zip(seqs.tolist(), targets.tolist(), strict=True):
+                if not self.extend(seq, target - self.num_requested(seq)):
+                    raise AssertionError("batched growth failed")
+
+    originals = hybrid.VllmHybridManager, hybrid.VllmPrefixManager
+    hybrid.VllmHybridManager, hybrid.VllmPrefixManager = Recording, RecordingPrefix  # type: ignore[misc]
     try:
         spec = RunSpec(trace=trace, model=model_name, gpu=gpu_name, max_seq_len=max_seq_len,
                        num_requests=num_requests, kv_cache_memory_bytes=pool, exact_steps=True,
-                       tp=8 if get_model(model_name).weight_bytes > 100e9 else 1)
+                       tp=8 if get_model(model_name).weight_bytes > 100e9 else 1,
+                       prefix_caching=prefix_caching,
+                       max_num_batched_tokens=8192 if prefix_caching else None)
         engine = make_engine(load_workload(spec), "vllm-hybrid", spec)
         engine.run()
     finally:
-        hybrid.VllmHybridManager = original  # type: ignore[misc]
+        hybrid.VllmHybridManager, hybrid.VllmPrefixManager = originals  # type: ignore[misc]
     return engine.alloc.plan, ops, states  # type: ignore[attr-defined]
 
 
-def compare_replay(ours: list[list], theirs: list[list], ops: list[list]) -> list[str]:
+def compare_replay(ours: list[list], theirs: list[list], ops: list[list],
+                   caching: bool = False) -> list[str]:
     bad: list[str] = []
     pending: set[int] = set()
     for i, (op, a, b) in enumerate(zip(ops, ours, theirs, strict=True)):
         seq = op[1]
+        if caching:
+            # Window blocks go back before a failed check in both: every field, every op.
+            if a != b:
+                shown = op[:4] + ([f"{len(op[4])} keys", op[5]] if op[0] == "a" else [])
+                bad.append(f"op {i} {shown}: fragsim {a} != vLLM {b}")
+                if len(bad) >= 5:
+                    break
+            continue
         if op[0] == "e":
             if a[0]:
                 pending.discard(seq)
@@ -161,14 +225,16 @@ def compare_replay(ours: list[list], theirs: list[list], ops: list[list]) -> lis
 
 def trace_main(args: argparse.Namespace) -> int:
     failures = 0
-    for name in args.model or TRACE_MODELS:
+    caching = bool(args.prefix_caching)
+    for name in args.model or (PREFIX_MODELS if caching else TRACE_MODELS):
         plan, ops, states = record_run(name, args.gpu, args.trace, args.num_requests,
-                                       int(args.memory_gib * 2**30), args.max_model_len)
+                                       int(args.memory_gib * 2**30), args.max_model_len, caching)
         model = get_model(name)
         tp = 8 if model.weight_bytes > 100e9 else 1
         inp = reference_input(model, plan, tp)
         inp["seq_lens"] = []
         inp["ops"] = ops
+        inp["replay_caching"] = caching
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(inp, f)
         run = subprocess.run([args.vllm_python, str(HERE / "vllm_reference.py"), f.name],
@@ -178,11 +244,17 @@ def trace_main(args: argparse.Namespace) -> int:
             failures += 1
             continue
         ref = json.loads(run.stdout)
-        bad = compare(plan, ref) + compare_replay(states, ref["replay"], ops)
+        theirs = ref["replay"] if caching else [r[:3] for r in ref["replay"]]
+        bad = compare(plan, ref) + compare_replay(states, theirs, ops, caching)
         failures += bool(bad)
         failed = sum(1 for s in states if not s[0])
+        counts = {k: sum(1 for op in ops if op[0] == k) for k in "aecf"}
+        hits = [s[3] for op, s in zip(ops, states, strict=True) if op[0] == "a" and s[0]]
+        extra = (f" ({counts['a']:,} admissions, {counts['e']:,} extends, {counts['c']:,} cache "
+                 f"registrations, {counts['f']:,} frees; {sum(1 for h in hits if h):,} admissions hit, "
+                 f"{sum(hits):,} tokens)") if caching else ""
         print(f"{'ok  ' if not bad else 'DIFF'} {name} on {args.trace} ({args.num_requests} requests, "
-              f"{args.memory_gib:g} GiB): {len(ops):,} operations, {failed:,} refused for lack of "
+              f"{args.memory_gib:g} GiB): {len(ops):,} operations{extra}, {failed:,} refused for lack of "
               f"blocks, {len(plan.groups)} groups" + "".join(f"\n     {b}" for b in bad))
     return 1 if failures else 0
 
@@ -196,6 +268,9 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--trace", help="replay a vllm-hybrid run on this trace through vLLM's manager")
     ap.add_argument("--num-requests", type=int, default=300, help="with --trace (default 300)")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="with --trace: prefix caching on both sides, hits compared too (a trace with "
+                         "content hashes, e.g. mooncake_conversation.jsonl)")
     args = ap.parse_args()
     if args.trace:
         return trace_main(args)

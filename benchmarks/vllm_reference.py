@@ -14,7 +14,8 @@ Planning path mirrored from vllm/v1/engine/core.py::_initialize_kv_caches:
 Manager path mirrored from vllm/v1/core/sched/scheduler.py (KVCacheManager ctor) and
 engine/core.py (block hasher), then allocate_slots as the scheduler would call it.
 
-Optional input keys beyond the brief: "enable_prefix_caching" (default True, or False
+Optional input keys beyond the brief: "replay_caching" (replay "ops" with prefix
+caching, fragsim's keys as block hashes), "enable_prefix_caching" (default True, or False
 when a mamba layer uses mode "none"), "kv_cache_layout" (default "LBNHC").
 Extra output keys: "startup_error" (vLLM's ValueError text when get_kv_cache_configs
 refuses, e.g. one max_model_len request does not fit; the numbers are then from the
@@ -232,39 +233,59 @@ def blocks_held(kv_cache_config, vllm_config, hash_block_size, sched_block_size,
     return counts
 
 
-def replay(kv_cache_config, vllm_config, hash_block_size, sched_block_size, ops):
+def replay(kv_cache_config, vllm_config, hash_block_size, sched_block_size, ops, caching=False):
     """One KVCacheManager through a run's operations, as fragsim's hybrid engine made them:
     ["a", req, n, final]  a new request; allocate_slots(req, n) with nothing computed
+    ["a", req, n, final, keys, max_len, prompt]  (caching) the same after get_computed_blocks
+                          with the prompt blocks' keys as block hashes, at most max_len
+                          tokens; the request's prompt is `prompt` tokens long
     ["e", req, q]         num_computed_tokens = q - 1; allocate_slots(req, 1)
+    ["c", req, tokens]    (caching) cache_blocks(req, tokens): the end of the step that
+                          computed them (allocate_slots then delays its own caching)
     ["f", req]            free(req)
-    Per operation: [allocated?, free blocks, non-null blocks per group of req]."""
-    mgr = make_manager(kv_cache_config, vllm_config, hash_block_size, sched_block_size, False, 0.0)
+    Per operation: [allocated?, free blocks, non-null blocks per group of req, tokens hit]."""
+    mgr = make_manager(kv_cache_config, vllm_config, hash_block_size, sched_block_size, caching, 0.0)
     reqs = {}
     out = []
     for op in ops:
         kind, rid = op[0], op[1]
         ok = True
-        if kind == "a":
+        hit = None
+        if kind != "a" and rid not in reqs:
+            ok = False  # vLLM did not admit it: a difference the caller shows
+        elif kind == "a":
             n, final = op[2], op[3]
             req = Request(request_id=str(rid), prompt_token_ids=[(7 * t + 3) % 30000 + 1 for t in range(final)],
                           sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
                           block_hasher=None)
-            ok = mgr.allocate_slots(req, n) is not None
+            if caching:
+                assert hash_block_size == sched_block_size, (hash_block_size, sched_block_size)
+                req.num_prompt_tokens = op[6]  # the replay boundary's prompt (tokens are dummies)
+                req.block_hashes = [int(k).to_bytes(8, "big", signed=True) for k in op[4]]
+                blocks, hit, req.shared_prefix_boundary = mgr.get_computed_blocks(
+                    req, max_cache_hit_length=op[5])
+                ok = mgr.allocate_slots(req, n - hit, num_new_computed_tokens=hit,
+                                        new_computed_blocks=blocks, delay_cache_blocks=True) is not None
+            else:
+                ok = mgr.allocate_slots(req, n) is not None
             if ok:
                 req.status = RequestStatus.RUNNING
+                req.num_computed_tokens = hit or 0
                 reqs[rid] = req
         elif kind == "e":
             req = reqs[rid]
             req.num_computed_tokens = op[2] - 1
             req.num_in_flight_tokens = 0
-            ok = mgr.allocate_slots(req, 1) is not None
+            ok = mgr.allocate_slots(req, 1, delay_cache_blocks=caching) is not None
+        elif kind == "c":
+            mgr.coordinator.cache_blocks(reqs[rid], op[2])
         else:
             mgr.free(reqs.pop(rid))
         counts = []
         for m in mgr.coordinator.single_type_managers:
             blocks = m.req_to_blocks.get(str(rid), []) if rid in reqs else []
             counts.append(sum(1 for b in blocks if not b.is_null))
-        out.append([ok, mgr.block_pool.get_num_free_blocks(), counts])
+        out.append([ok, mgr.block_pool.get_num_free_blocks(), counts, hit])
     return out
 
 
@@ -358,7 +379,8 @@ def main():
             sched_cfg, vllm_config, hash_bs, sched_bs, L
         )
     if inp.get("ops"):
-        result["replay"] = replay(sched_cfg, vllm_config, hash_bs, sched_bs, inp["ops"])
+        result["replay"] = replay(sched_cfg, vllm_config, hash_bs, sched_bs, inp["ops"],
+                                  caching=bool(inp.get("replay_caching")))
     print(json.dumps(result))
 
 

@@ -209,7 +209,8 @@ def make_hybrid_manager(name: str, spec: RunSpec, model_gpu: tuple[Any, Any] | N
                               max_seq_len=spec.max_seq_len,
                               tp=spec.tp, block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
                               max_num_batched_tokens=spec.max_num_batched_tokens,
-                              hybrid_chunked=spec.hybrid_chunked, track_ids=spec.address_map)
+                              hybrid_chunked=spec.hybrid_chunked, track_ids=spec.address_map,
+                              prefix_caching=spec.prefix_caching)
     except ValueError as exc:
         raise FragsimError(f"allocator {name!r}: {exc}") from None
 

@@ -102,9 +102,12 @@ def test_a_pool_too_small_for_the_layout_is_named() -> None:
 
 
 def test_unsupported_modes_are_named() -> None:
-    spec = _spec("gpt-oss-20b", GiB, prefix_caching=True)
+    spec = _spec("gpt-oss-20b", GiB, num_samples=2)
     with pytest.raises(FragsimError, match="sharing"):
         make_engine(load_workload(spec), "vllm-hybrid", spec)
+    spec = _spec("gpt-oss-20b", GiB, prefix_caching=True)
+    with pytest.raises(FragsimError, match="vllm-hybrid only"):
+        make_engine(load_workload(spec), "jenga", spec)
     spec = _spec("gpt-oss-20b", GiB, preemption="swap")
     with pytest.raises(FragsimError, match="recompute"):
         make_engine(load_workload(spec), "jenga", spec)

@@ -21,12 +21,14 @@ from fragsim.hybrid.jenga import JengaManager
 from fragsim.hybrid.paged_uniform import PagedUniformManager
 from fragsim.hybrid.static_partition import StaticPartitionManager
 from fragsim.hybrid.vllm_hybrid import VllmHybridManager
+from fragsim.hybrid.vllm_prefix import VllmPrefixManager
 from fragsim.layers import STATE_KINDS
 
 MANAGERS = ("paged-uniform", "vllm-hybrid", "jenga", "static-partition")
 
 __all__ = ["CATEGORIES", "MANAGERS", "POOL", "HybridManager", "JengaManager", "PagedUniformManager",
-           "Row", "StaticPartitionManager", "VllmHybridManager", "create_manager", "kind_rows"]
+           "Row", "StaticPartitionManager", "VllmHybridManager", "VllmPrefixManager", "create_manager",
+           "kind_rows"]
 
 
 def kind_rows(model: ModelConfig, *, tp: int = 1, block_size: int = 16,
@@ -58,22 +60,28 @@ def kind_rows(model: ModelConfig, *, tp: int = 1, block_size: int = 16,
 def create_manager(name: str, model: ModelConfig, gpu: GPUConfig, *, pool_bytes: int,
                    max_seq_len: int, tp: int = 1, block_size: int | None = None,
                    max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                   hybrid_chunked: bool = False, track_ids: bool = True) -> HybridManager:
+                   hybrid_chunked: bool = False, track_ids: bool = True,
+                   prefix_caching: bool = False) -> HybridManager:
     """The manager ``name`` over ``pool_bytes`` of KV memory on one ``tp`` rank.
 
     ``block_size`` is the attention block in tokens (None: 16, and vLLM's backend
     default for ``vllm-hybrid``, which vLLM may inflate for state layers).
     ``track_ids=False`` lets ``vllm-hybrid`` keep block counts only (faster; no
-    placements or address maps; the same results).
+    placements or address maps; the same results). ``prefix_caching`` is modelled for
+    ``vllm-hybrid`` only (:mod:`fragsim.hybrid.vllm_prefix`; it keeps ids).
     """
     if name not in MANAGERS:
         raise ValueError(f"unknown hybrid KV manager {name!r}; choose from {', '.join(MANAGERS)}")
+    if prefix_caching and name != "vllm-hybrid":
+        raise ValueError(f"prefix caching is modelled for vllm-hybrid only, not {name}")
     if name == "vllm-hybrid":
         from fragsim.vllm_plan import plan_vllm
 
         plan = plan_vllm(model, gpu, pool_bytes, tp=tp, max_model_len=max_seq_len,
-                         prefix_caching=False, max_num_batched_tokens=max_num_batched_tokens,
+                         prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
                          block_size=block_size, hybrid_manager=True if hybrid_chunked else None)
+        if prefix_caching:
+            return VllmPrefixManager(plan, max_seq_len=max_seq_len)
         return VllmHybridManager(plan, max_seq_len=max_seq_len, track_ids=track_ids)
     bs = 16 if block_size is None else block_size
     if name == "paged-uniform":

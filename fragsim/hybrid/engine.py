@@ -20,8 +20,16 @@ and frees blocks at those steps in exact-mode order, and stops before a step who
 blocks might not all be free (which then runs exactly, preempting if it must) and,
 when requests wait, before a step that frees blocks (an admission may follow).
 
-Not yet for hybrid runs: block sharing (samples, beams, prefix caching), swap
-preemption and request-level batching.
+Prefix caching (``prefix_caching``, ``vllm-hybrid`` only,
+:mod:`fragsim.hybrid.vllm_prefix`) follows the dense
+:class:`~fragsim.sharing.SharingEngine`: at admission the manager is asked for the
+hit (each kind's own rule, reconciled as vLLM does) and prefill starts after it;
+the computed full prompt blocks get their keys at the end of the step that
+computed them; the counters and summary keys are the dense ones, and each kind's
+own hit rate goes to its ``by_kind`` entry.
+
+Not yet for hybrid runs: parallel samples and beams, swap preemption and
+request-level batching.
 """
 
 from __future__ import annotations
@@ -34,7 +42,15 @@ import numpy as np
 from fragsim import stretch
 from fragsim.allocators import Allocator
 from fragsim.costmodel import CostModel
-from fragsim.engine import Engine, EngineConfig
+from fragsim.engine import (
+    _BLOCK_BATCH,
+    _BLOCK_CAP,
+    _BLOCK_FRAG,
+    RUNNING,
+    Engine,
+    EngineConfig,
+    _Prefill,
+)
 from fragsim.hybrid.base import (
     CATEGORIES,
     FREE,
@@ -46,6 +62,7 @@ from fragsim.hybrid.base import (
     kind_of_rows,
 )
 from fragsim.hybrid.split import SplitRecorder
+from fragsim.prefix import PrefixKeys
 
 _HELD_ELSEWHERE = [INTERNAL, PADDING, OUT_OF_WINDOW]
 
@@ -56,9 +73,11 @@ class HybridEngine(Engine):
     def __init__(self, trace: object, manager: HybridManager, cost_model: CostModel,
                  config: EngineConfig, progress: Callable[[int], None] | None = None,
                  observer: Any = None) -> None:
-        if config.sharing:
-            raise ValueError("block sharing (samples, beams, prefix caching) is not modelled for "
+        if config.num_samples > 1 or config.beam_width > 1:
+            raise ValueError("block sharing (samples, beams) is not modelled for "
                              "the hybrid KV managers yet")
+        if config.prefix_caching and not getattr(manager, "prefix_caching", False):
+            raise ValueError(f"prefix caching is modelled for vllm-hybrid only, not {manager.name}")
         if config.preemption != "recompute":
             raise ValueError("the hybrid KV managers preempt by recompute only (--preemption recompute)")
         if config.batching != "continuous":
@@ -71,6 +90,10 @@ class HybridEngine(Engine):
         manager.bind_finals(self.final)
         self.split_rec = SplitRecorder(manager.labels, kind_of_rows(manager.rows), manager.capacity,
                                        config.timeseries_resolution_s)
+        self.prefix = PrefixKeys(trace, manager.block_size) if config.prefix_caching else None  # type: ignore[arg-type]
+        self.num_prefix_queries = 0        # tokens looked up at admission (vLLM: queries)
+        self.num_prefix_hits = 0           # of which found cached
+        self.num_prefix_hits_by_kind: dict[str, int] = {}  # each kind's own hit, on its own
 
     # ------------------------------------------------------------------ setup
 
@@ -79,6 +102,71 @@ class HybridEngine(Engine):
 
     def _take(self, req: int, owned: int, delta: int = 1) -> None:
         """The manager keeps the bytes; the engine's slot totals are not used."""
+
+    # --------------------------------------------------------- prefix caching
+
+    def _admit(self) -> bool:
+        """FCFS as the plain engine, each admission starting after its prefix-cache hit."""
+        if self.prefix is None:
+            return super()._admit()
+        cfg, m, B = self.cfg, self.manager, self.manager.block_size
+        while self.waiting:
+            req = self.waiting[0]
+            if self._num_running() >= cfg.max_num_seqs or self._budget <= 0:
+                self._mark_blocked(req, _BLOCK_BATCH)
+                return True
+            prompt = int(self.prompt[req])
+            context = prompt + int(self.generated[req])
+            keys = self.prefix.keys(req, prompt)
+            hit = m.lookup(keys[: min(len(keys), (context - 1) // B)], context - 1)  # type: ignore[attr-defined]
+            need = context + 1
+            if m.allocate(req, need, hit, prompt) is None:  # type: ignore[call-arg]
+                frag = m.num_free() >= m.rounded(need)
+                self._mark_blocked(req, _BLOCK_FRAG if frag else _BLOCK_CAP)
+                return True
+            self.waiting.popleft()
+            self.status[req] = RUNNING
+            done = hit.tokens
+            p = _Prefill(req, context, done, m.num_owned(req), need, cached=done)
+            self.prefilling.append(p)
+            chunk = min(self._budget, context - done)
+            self._chunks.append((p, chunk))
+            self._budget -= chunk
+            self.num_prefix_queries += context
+            self.num_prefix_hits += done
+            for kind, tokens in hit.by_kind.items():
+                self.num_prefix_hits_by_kind[kind] = self.num_prefix_hits_by_kind.get(kind, 0) + tokens
+        return True
+
+    def _end_step(self) -> None:
+        """Computed full prompt blocks get their keys before anything completes."""
+        if self.prefix is not None:
+            B = self.manager.block_size
+            for p, chunk in self._chunks:
+                prompt = int(self.prompt[p.req])
+                computed = min(p.done + chunk, prompt) // B
+                if computed:
+                    self.manager.cache_blocks(p.req, self.prefix.keys(p.req, prompt)[:computed])  # type: ignore[attr-defined]
+        super()._end_step()
+
+    def _finish(self, req: int) -> None:
+        super()._finish(req)
+        if self.prefix is not None:
+            self.prefix.forget(req)
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        queries, hits = self.num_prefix_queries, self.num_prefix_hits
+        return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+                "prefix_cache_hit_rate": hits / queries if queries else 0.0}
+
+    def run(self) -> Engine:
+        super().run()
+        if self.prefix is not None:
+            q = self.num_prefix_queries
+            self.split_rec.extra_by_kind = {
+                kind: {"prefix_cache_hit_rate": hits / q if q else 0.0}
+                for kind, hits in self.num_prefix_hits_by_kind.items()}
+        return self
 
     # ----------------------------------------------------------- address maps
 

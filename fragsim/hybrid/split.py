@@ -32,6 +32,8 @@ class SplitRecorder:
         self._used_blocks = 0.0
         self._buckets: dict[int, np.ndarray] = {}
         self._bucket_span: dict[int, float] = {}
+        #: per kind, further summary keys (the engine's prefix-cache hit rates)
+        self.extra_by_kind: dict[str, dict[str, float]] = {}
 
     def record(self, t: float, dt: float, split: np.ndarray, used_blocks: int) -> None:
         if int(split.sum()) != self.capacity or int(split.min()) < 0:
@@ -107,6 +109,8 @@ class SplitRecorder:
             held = sum(v for k, v in entry.items() if k != "mean_free_bytes")
             entry["pool_frac"] = (held + entry["mean_free_bytes"]) / cap if cap else 0.0
             entry["token_states_frac_of_held"] = entry["mean_token_states_bytes"] / held if held else 0.0
+        for kind, extra in self.extra_by_kind.items():
+            by_kind.setdefault(kind, {}).update(extra)
         out["by_kind"] = by_kind
         out["by_row"] = {label: {f"mean_{name}_bytes": float(means[r, c])
                                  for c, name in enumerate(CATEGORIES)}
