@@ -212,6 +212,32 @@ def full_attention_note(model: Any, gpu: Any, spec: Any) -> str:
             f"(fragsim capacity --model {spec.model} --gpu {spec.gpu} shows its groups)")
 
 
+def _overloaded(s: dict[str, Any]) -> bool:
+    return bool(s["mean_waiting"] > 4 * max(s["mean_running"], 1.0))
+
+
+def overload_notes(summaries: list[dict[str, Any]], spec: Any) -> list[str]:
+    """Which allocators could not keep up, and whether the GPU or their reservations are why."""
+    over = [s for s in summaries if _overloaded(s)]
+    if not over:
+        return []
+    worst = max(over, key=lambda s: s["mean_waiting"])
+    names = ", ".join(s["allocator"] for s in over)
+    served = [s for s in summaries if not _overloaded(s)]
+    if served:
+        paged = [s for s in served if s["allocator"] == "vllm"]
+        best = paged[0] if paged else max(served, key=lambda s: s["throughput_requests_per_s"])
+        return [f"{names} could not keep up: {worst['allocator']}'s queue held "
+                f"{worst['mean_waiting']:,.0f} requests on average and its p99 time to first token "
+                f"was {worst['p99_ttft_s']:,.0f} s, while {best['allocator']} served the same trace "
+                f"with {best['mean_waiting']:,.1f} waiting (p99 TTFT {best['p99_ttft_s']:,.2f} s): what "
+                f"each reserves, not the GPU, limits the batch (a max-length reservation is "
+                f"--max-seq-len, {spec.max_seq_len:,} tokens, per request)"]
+    return [f"the trace offers more load than this GPU serves: {worst['allocator']}'s queue held "
+            f"{worst['mean_waiting']:,.0f} requests on average, so latencies grow over the run "
+            "(--rate, --time-window, a larger --gpu or --tp eases it)"]
+
+
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("run", help="replay a trace against allocators (the main job)",
                               description=DESCRIPTION, epilog=EPILOG,
@@ -294,11 +320,7 @@ def main(args: argparse.Namespace) -> int:
     if s0["num_refused_too_long"]:
         notes.append(f"{s0['num_refused_too_long']:,} requests longer than --max-seq-len "
                      f"{spec.max_seq_len} were refused (--truncate-prompts cuts them instead)")
-    worst = max(results, key=lambda r: r.summary["mean_waiting"]).summary
-    if worst["mean_waiting"] > 4 * max(worst["mean_running"], 1.0):
-        notes.append(f"the trace offers more load than this GPU serves: {worst['allocator']}'s queue held "
-                     f"{worst['mean_waiting']:,.0f} requests on average, so latencies grow over the run "
-                     "(--rate, --time-window, a larger --gpu or --tp eases it)")
+    notes += overload_notes([r.summary for r in results], spec)
     notes.append("memory split: time-weighted mean over the run, % of the KV pool; "
                  "ext. frag = 1 − largest allocatable / free")
     for s in (r.summary for r in results):
