@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from fragsim.cli.args import positive_int
+from fragsim.cli.args import fraction, positive_int
 
 DESCRIPTION = """\
 Fit fragsim's step-cost model to measurements and write it as a TOML file that
@@ -56,13 +56,6 @@ def _fix(text: str) -> tuple[str, float]:
     return name, seconds
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text}")
-    return value
-
-
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("calibrate", help="fit a step-cost model to measured steps or latencies",
                               description=DESCRIPTION, epilog=EPILOG,
@@ -79,7 +72,7 @@ def register(subparsers: Any) -> None:
                    help="hold a coefficient at a value (repeatable)")
     g.add_argument("--prior", metavar="NAME|FILE",
                    help="start from this fitted model instead of the roofline of --model/--gpu")
-    g.add_argument("--holdout", type=_fraction, default=0.2,
+    g.add_argument("--holdout", type=fraction, default=0.2,
                    help="fraction of rows held back to measure the fit's error (default 0.2)")
     g.add_argument("--seed", type=int, default=0, help="seed of the held-back rows (default 0)")
     g.add_argument("--max-evaluations", type=positive_int, default=120,
