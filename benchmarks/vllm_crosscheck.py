@@ -249,7 +249,7 @@ def trace_main(args: argparse.Namespace) -> int:
         failures += bool(bad)
         failed = sum(1 for s in states if not s[0])
         counts = {k: sum(1 for op in ops if op[0] == k) for k in "aecf"}
-        hits = [s[3] for op, s in zip(ops, states, strict=True) if op[0] == "a" and s[0]]
+        hits = [s[3] for op, s in zip(ops, states, strict=True) if caching and op[0] == "a" and s[0]]
         extra = (f" ({counts['a']:,} admissions, {counts['e']:,} extends, {counts['c']:,} cache "
                  f"registrations, {counts['f']:,} frees; {sum(1 for h in hits if h):,} admissions hit, "
                  f"{sum(hits):,} tokens)") if caching else ""

@@ -148,7 +148,10 @@ def _panel_title(columns: Sequence[str], values: tuple[Any, ...]) -> str:
     parts = []
     for column, value in zip(columns, values, strict=True):
         text = os.path.basename(str(value)) if column == "trace" else str(value)
-        parts.append(text if column in ("case", "trace", "model", "gpu") else f"{_label(column)} = {text}")
+        if column == "allocator" and value in SYSTEMS:
+            text = SYSTEMS[value][0]
+        parts.append(text if column in ("case", "trace", "model", "gpu", "allocator")
+                     else f"{_label(column)} = {text}")
     return ", ".join(parts)
 
 
