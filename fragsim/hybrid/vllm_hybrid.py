@@ -15,8 +15,9 @@ request, drawing from one free queue:
 * a state group holds one block per request: its state, padded to the page.
 
 The free queue is first in, first out; a request's freed blocks join its tail,
-last block first, as vLLM's ``FreeKVCacheBlockQueue`` has them. Prefix caching
-is not modelled for hybrid models yet, so freed blocks are free at once.
+last block first, as vLLM's ``FreeKVCacheBlockQueue`` has them (only the counts are
+vLLM's here: without caching vLLM puts freed blocks at the front). Freed blocks are
+free at once; prefix caching is :class:`~fragsim.hybrid.vllm_prefix.VllmPrefixManager`.
 
 One difference from vLLM, on purpose: when an extension cannot get its blocks,
 this manager leaves the sequence as it was (the allocator contract), where vLLM
