@@ -9,6 +9,8 @@
    against the device's measured copy bandwidth, batch 1/16/64 × context
    512/2048/8192, llama-2-7b heads, fp16 (``triton.testing.do_bench``). Targets:
    paged >= 70% of copy bandwidth at batch 64 × 2048, and within 10% of contiguous.
+   ``OUT_DIR/kernels.json`` feeds the step-cost fit's attention term:
+   ``fragsim calibrate STEPS --model M --gpu G --attention-times OUT_DIR/kernels.json``.
 3. The PyTorch caching-allocator model against PyTorch's real allocator.
 
 Each part has its own time budget and its own entry in the report; a part that

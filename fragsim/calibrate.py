@@ -30,6 +30,10 @@ Three kinds of measurement, told apart by their columns or keys:
     ``held_out = true`` are not fitted and only reported. This is how the
     ``vllm-paper`` preset is made (``experiments/calibration/vllm_paper.toml``).
 
+Measured attention: ``--attention-times kernels.json`` (the GPU backend's decode
+kernel timings, :func:`attention_from_kernels`) sets the memory-bound context term
+from the rate the real kernel reads KV at, and the fit then holds it.
+
 Coefficients the fit does not free keep their prior: the roofline's (in this
 shape) for the model and GPU named, so a fit from decode-only steps does not
 invent a prefill cost. One row in five (``holdout``) is held back from the fit,
@@ -249,6 +253,52 @@ def load_measurements(path: str | Path) -> tuple[Measurements, dict[str, Any]]:
         f"({', '.join(STEP_COLUMNS)}, step_time_s), per-request latencies ({', '.join(need)}; or a "
         "BLIS trace v2 CSV; or a vLLM benchmark JSON), or an operating-points TOML; its columns "
         f"are {', '.join(map(str, df.columns))}")
+
+
+# ------------------------------------------------------------------ measured attention
+
+
+def attention_from_kernels(path: str | Path, kv_bytes_per_token: int,
+                           layout: str = "paged") -> tuple[float, dict[str, Any]]:
+    """The memory-bound decode term, ``context_token_s``, from measured decode-attention
+    kernel times (``kernels.json`` of ``benchmarks/gpu_check.py``, or the ``--json`` of
+    ``python -m gpu_backend.kernel_bench``).
+
+    Each row is one layer's decode attention over ``bytes`` of K/V (and q, out) in
+    ``ms``; a least-squares line ``ms = launch + bytes / rate`` gives the seconds per
+    byte the kernel really reads at, and a token of context costs that many seconds
+    for each of the model's ``kv_bytes_per_token`` (every layer's K and V). The launch
+    part is left to the per-step overhead.
+    """
+    path = Path(path)
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise FragsimError(f"{path}: cannot read kernel times: {exc}") from None
+    if isinstance(rows, dict):  # gpu_check's report: {"kernels": {"rows": [...]}, ...}
+        rows = rows.get("kernels", {}).get("rows", rows.get("rows"))
+    if not isinstance(rows, list):
+        raise FragsimError(f"{path}: expected a list of kernel rows (batch, context, layout, ms, bytes)")
+    use = [r for r in rows if isinstance(r, dict) and r.get("layout") == layout
+           and "ms" in r and "bytes" in r]
+    if len(use) < 2 or len({r["bytes"] for r in use}) < 2:
+        raise FragsimError(f"{path}: need at least two {layout} rows with different bytes to fit "
+                           f"the kernel's read rate; found {len(use)}")
+    nbytes = np.array([float(r["bytes"]) for r in use])
+    seconds = np.array([float(r["ms"]) * 1e-3 for r in use])
+    bad = np.flatnonzero(~(np.isfinite(seconds) & (seconds > 0)))
+    if len(bad):
+        raise FragsimError(f"{path}: {layout} row {int(bad[0]) + 1}: ms = {use[bad[0]]['ms']!r}; "
+                           "expected a time > 0")
+    design = np.column_stack([np.ones(len(nbytes)), nbytes])
+    (launch, per_byte), *_ = np.linalg.lstsq(design, seconds, rcond=None)
+    if per_byte <= 0:
+        raise FragsimError(f"{path}: the {layout} kernel's time does not grow with the bytes it "
+                           "reads; these rows cannot give a read rate")
+    pred = design @ np.array([launch, per_byte])
+    info = {"rows": len(use), "layout": layout, "read_gbps": float(1e-9 / per_byte),
+            "launch_s": float(launch), "mape": float(np.mean(np.abs(pred - seconds) / seconds))}
+    return float(per_byte * kv_bytes_per_token), info
 
 
 # ------------------------------------------------------------------ fitting

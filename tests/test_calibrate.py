@@ -271,3 +271,41 @@ def test_calibrate_then_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 def test_run_rejects_an_unknown_cost_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["run", "--num-requests", "10", "--cost-model", "magic", "--no-save"]) == 2
     assert "no such preset or file" in capsys.readouterr().err
+
+
+def kernel_rows(read_gbps: float = 3000.0, launch_s: float = 8e-6) -> list[dict[str, float | str]]:
+    rows: list[dict[str, float | str]] = []
+    for batch in (1, 16, 64):
+        for context in (512, 2048, 8192):
+            nbytes = 2 * batch * context * 32 * 128 * 2
+            for layout, slow in (("contiguous", 1.0), ("paged", 1.1)):
+                rows.append({"batch": batch, "context": context, "layout": layout, "bytes": nbytes,
+                             "ms": (launch_s + slow * nbytes / (read_gbps * 1e9)) * 1e3})
+    return rows
+
+
+def test_attention_term_from_kernel_times(tmp_path: Path) -> None:
+    path = tmp_path / "kernels.json"
+    path.write_text(json.dumps({"kernels": {"rows": kernel_rows()}}))   # gpu_check's report shape
+    kv = get_model("opt-13b").kv_bytes_per_token
+    per_token, info = calibrate.attention_from_kernels(path, kv)
+    assert info["read_gbps"] == pytest.approx(3000 / 1.1, rel=1e-9)
+    assert per_token == pytest.approx(kv * 1.1 / 3000e9, rel=1e-9)
+    path.write_text(json.dumps(kernel_rows()[:2]))
+    with pytest.raises(FragsimError, match="need at least two paged rows"):
+        calibrate.attention_from_kernels(path, kv)
+
+
+def test_calibrate_holds_the_measured_attention_term(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    kernels = tmp_path / "kernels.json"
+    kernels.write_text(json.dumps(kernel_rows()))
+    steps = tmp_path / "steps.csv"
+    synthetic_steps().to_csv(steps, index=False)
+    out = tmp_path / "m.toml"
+    assert cli_main(["calibrate", str(steps), "--model", "opt-13b", "--gpu", "a100-40gb",
+                     "--attention-times", str(kernels), "--out", str(out)]) == 0
+    assert "measured attention" in capsys.readouterr().err
+    m = load_cost_model(out)
+    assert m.context_token_s == pytest.approx(get_model("opt-13b").kv_bytes_per_token * 1.1 / 3000e9)
+    assert m.fit is not None and m.fit["attention_times"]["rows"] == 9

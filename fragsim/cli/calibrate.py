@@ -72,6 +72,10 @@ def register(subparsers: Any) -> None:
                    help="hold a coefficient at a value (repeatable)")
     g.add_argument("--prior", metavar="NAME|FILE",
                    help="start from this fitted model instead of the roofline of --model/--gpu")
+    g.add_argument("--attention-times", metavar="KERNELS.json",
+                   help="decode-attention kernel times measured on the device (kernels.json of "
+                        "benchmarks/gpu_check.py): they set context_token_s, which is then held "
+                        "(needs --model, for its KV bytes per token)")
     g.add_argument("--holdout", type=fraction, default=0.2,
                    help="fraction of rows held back to measure the fit's error (default 0.2)")
     g.add_argument("--seed", type=int, default=0, help="seed of the held-back rows (default 0)")
@@ -165,6 +169,20 @@ def main(args: argparse.Namespace) -> int:
             raise FragsimError("--model and --gpu go together (they give the prior)")
         spec = _spec(args, system)
     prior = _prior(args, spec)
+    attention: dict[str, Any] | None = None
+    if args.attention_times:
+        from fragsim.errors import FragsimError
+        from fragsim.simulate import _model_gpu
+
+        if spec is None:
+            raise FragsimError("--attention-times needs --model and --gpu (the model's KV bytes "
+                               "per token turn the kernel's read rate into a cost per token)")
+        model, _ = _model_gpu(spec)
+        fixed["context_token_s"], attention = calibrate.attention_from_kernels(
+            args.attention_times, model.kv_bytes_per_token_per_gpu(spec.tp))
+        m.notes.append(f"measured attention: the paged kernel reads KV at "
+                       f"{attention['read_gbps']:,.0f} GB/s ({attention['rows']} rows, fit error "
+                       f"{attention['mape']:.1%}): context_token_s = {fixed['context_token_s']:.4g} s")
     for note in m.notes:
         err.print(f"[dim]{note}[/dim]", highlight=False)
 
@@ -188,6 +206,8 @@ def main(args: argparse.Namespace) -> int:
         "free": list(report.free), "evaluations": report.num_evaluations,
         "train_error": report.train_error, "holdout_error": report.holdout_error,
     }
+    if attention is not None:
+        fit_info["attention_times"] = {"file": Path(args.attention_times).name, **attention}
     if m.kind == "points":
         fit_info["points"] = {str(r.label): {"measured": float(r.mean_running), "fitted": float(r.fitted),
                                              "held_out": bool(r.held_out)}
@@ -208,6 +228,8 @@ def main(args: argparse.Namespace) -> int:
     table.add_column("what it costs")
     for term in TERMS:
         how = "fitted" if term in report.free else ("fixed" if term in fixed else "prior")
+        if term == "context_token_s" and attention is not None:
+            how = "measured"
         table.add_row(term, _ms(getattr(fitted, term)), how, TERM_HELP[term])
     out.print(table)
     if m.kind == "points":
