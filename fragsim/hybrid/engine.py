@@ -109,7 +109,7 @@ class HybridEngine(Engine):
         """FCFS as the plain engine, each admission starting after its prefix-cache hit."""
         if self.prefix is None:
             return super()._admit()
-        cfg, m, B = self.cfg, self.manager, self.manager.block_size
+        cfg, m = self.cfg, self.manager
         while self.waiting:
             req = self.waiting[0]
             if self._num_running() >= cfg.max_num_seqs or self._budget <= 0:
@@ -118,7 +118,7 @@ class HybridEngine(Engine):
             prompt = int(self.prompt[req])
             context = prompt + int(self.generated[req])
             keys = self.prefix.keys(req, prompt)
-            hit = m.lookup(keys[: min(len(keys), (context - 1) // B)], context - 1)  # type: ignore[attr-defined]
+            hit = m.lookup(keys, context - 1)  # type: ignore[attr-defined]
             need = context + 1
             if m.allocate(req, need, hit, prompt) is None:  # type: ignore[call-arg]
                 frag = m.num_free() >= m.rounded(need)

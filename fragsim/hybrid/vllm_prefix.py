@@ -252,7 +252,8 @@ class VllmPrefixManager(VllmHybridManager):
 
     def lookup(self, keys: list[int], max_len: int) -> Hit:
         """The hit of a request whose prompt blocks have ``keys``, within ``max_len``
-        tokens (vLLM's ``get_computed_blocks``); nothing changes."""
+        tokens (vLLM's ``get_computed_blocks``; ``context − 1``: one token is always
+        computed); nothing changes."""
         b = self.block_size
         by_kind: dict[str, int] = {}
         for rows in self._specs:
