@@ -30,11 +30,15 @@ decode step in plain floats). Anything that implements only the
 protocols runs the same steps without them, one ``extend`` per sequence and arrays
 of one element; both ways give the same blocks and the same step times.
 
+What sequences hold, and the split, belong to one KV manager (``self.kv``,
+:class:`fragsim.kv_manager.DenseKV` for the dense allocators): the engine asks it
+to admit, grow, release and record, and keeps no totals of its own.
+
 Block sharing (parallel samples, beam search, prefix caching) is
 :class:`fragsim.sharing.SharingEngine`, this engine with sharing-aware admission,
-growth, completion and preemption; here it shows only as ``shared_total``, the
-slots that Σ owned counts more than once, subtracted wherever the split is
-recorded. Stretches keep working for samples and prefix caching; beams fork every
+growth, completion and preemption; here it shows only as the KV manager's
+``shared_total``, the slots that Σ owned counts more than once, subtracted wherever
+the split is recorded. Stretches keep working for samples and prefix caching; beams fork every
 step, so a beam-search run goes step by step in both modes.
 """
 
@@ -54,6 +58,7 @@ from fragsim.allocators import Allocator, Extent, reserve_slots
 from fragsim.batch import DecodeBatch
 from fragsim.costmodel import CostModel
 from fragsim.engine_config import EngineConfig
+from fragsim.kv_manager import DenseKV
 from fragsim.metrics import Recorder
 
 # Request status codes in the per-request arrays.
@@ -125,9 +130,8 @@ class Engine:
         self.cost = cost_model
         self.progress = progress
         self.grows = bool(allocator.grows_on_demand)
-        # Optional fast paths; anything that implements only the protocols goes without.
-        self._extend_many: Callable[[list[int], list[int]], list[int] | None] | None = \
-            getattr(allocator, "extend_many", None)
+        self.kv = self._make_kv(allocator)
+        # Optional fast path; a cost model that implements only the protocol goes without.
         self._decode_step_time: Callable[[int, int], float] | None = \
             getattr(cost_model, "decode_step_time", None)
         self.block_size = int(getattr(allocator, "block_size", 1) or 1)
@@ -160,9 +164,6 @@ class Engine:
         self.swapped: deque[tuple[int, int, int]] = deque()  # (req, filled, slots held in CPU)
         self.swap_used = 0
         self.batch = DecodeBatch()
-        self.owned_total = 0            # Σ owned over sequences (a shared slot once per holder)
-        self.internal_total = 0
-        self.shared_total = 0           # slots owned_total counts more than once (sharing runs)
         self.num_prefill_tokens = 0     # prompt tokens computed (prefix-cache hits are not)
         self.num_done = 0
         self._quiet = False
@@ -208,6 +209,10 @@ class Engine:
         rounded = np.array([self.alloc.rounded(int(x)) for x in needs], dtype=np.int64)
         return dict(zip(needs.tolist(), (rounded <= largest_empty).tolist(), strict=True))
 
+    def _make_kv(self, allocator: Allocator) -> DenseKV:
+        """The KV manager this engine asks (a subclass may bring its own)."""
+        return DenseKV(allocator)
+
     # --------------------------------------------------------------- bookkeeping
 
     def _eventual_need(self, final: np.ndarray) -> np.ndarray:
@@ -216,11 +221,11 @@ class Engine:
 
     def _dup_filled(self) -> int:
         """Stored tokens that Σ filled counts more than once (only sharing runs have any)."""
-        return self.shared_total
+        return self.kv.shared_total
 
     def _take(self, req: int, owned: int, delta: int = 1) -> None:
-        self.owned_total += delta * owned
-        self.internal_total += delta * max(0, owned - int(self.final[req]))
+        """Request ``req``'s sequence starts (stops) owning ``owned`` slots."""
+        self.kv.take(int(self.final[req]), owned, delta)
 
     def _finish(self, req: int) -> None:
         self.status[req] = FINISHED
@@ -280,8 +285,7 @@ class Engine:
         pre = max(self.prefilling, key=lambda p: p.req) if self.prefilling else None
         if pre is not None and pre.req > cand:
             self.prefilling.remove(pre)
-            self.alloc.free(pre.req)
-            self._take(pre.req, pre.owned, -1)
+            self.kv.release(pre.req, pre.owned, int(self.final[pre.req]))
             self._requeue(pre.req, 0, pre.owned)
             return pre.req
         if cand < 0:
@@ -290,9 +294,8 @@ class Engine:
         owned = int(b.owned[cand_row])
         # Recompute re-prefills the prompt and every token generated so far.
         self.generated[cand] = filled - int(self.prompt[cand])
-        self.alloc.free(int(b.seq[cand_row]))
+        self.kv.release(int(b.seq[cand_row]), owned, int(self.final[cand]))
         b.remove(cand_row)
-        self._take(cand, owned, -1)
         self._requeue(cand, filled, owned)
         return cand
 
@@ -325,14 +328,13 @@ class Engine:
     def _grow_decoders(self) -> None:
         """Room for this step's token in every decoding sequence (paged: maybe a block).
 
-        Rows grow in request order. An allocator with ``extend_many`` (all or none)
-        grows them all in one call; when it cannot, or has no such method, they grow
-        one by one until one fails, the latest-arrived running request is preempted,
-        and the rows that still need room are worked out anew. Both orders take the
-        same blocks: the one call succeeds exactly when no single extend would fail.
+        Rows grow in request order. The KV manager grows them all in one call where
+        its allocator can (all or none); when it cannot, they grow one by one until
+        one fails, the latest-arrived running request is preempted, and the rows that
+        still need room are worked out anew. Both orders take the same blocks: the
+        one call succeeds exactly when no single extend would fail.
         """
-        b = self.batch
-        extend, num_owned, extend_many = self.alloc.extend, self.alloc.num_owned, self._extend_many
+        b, kv = self.batch, self.kv
         while True:
             need = self._rows_needing_room()
             if len(need) == 0:
@@ -340,26 +342,16 @@ class Engine:
             reqs, seqs, offsets, owned, requested, finals = b.columns(need)
             g1 = self.g + 1
             targets = [offset + g1 for offset in offsets]
-            if extend_many is not None:
-                new = extend_many(seqs, [t - r for t, r in zip(targets, requested, strict=True)])
-                if new is not None:
-                    b.owned[need] = new
-                    b.requested[need] = targets
-                    d_owned = d_internal = 0
-                    for now_owned, old, final in zip(new, owned, finals, strict=True):
-                        d_owned += now_owned - old
-                        if now_owned > final:  # max(0, new − final) − max(0, old − final)
-                            d_internal += now_owned - (old if old > final else final)
-                    self.owned_total += d_owned
-                    self.internal_total += d_internal
-                    return
-            for row, req, seq, target, old, asked in zip(
-                    need.tolist(), reqs, seqs, targets, owned, requested, strict=True):
-                if extend(seq, target - asked):
-                    new_owned = num_owned(seq)
-                    final = int(self.final[req])
-                    self.owned_total += new_owned - old
-                    self.internal_total += max(0, new_owned - final) - max(0, old - final)
+            new = kv.grow_many(seqs, [t - r for t, r in zip(targets, requested, strict=True)],
+                               owned, finals)
+            if new is not None:
+                b.owned[need] = new
+                b.requested[need] = targets
+                return
+            for row, seq, target, old, asked, final in zip(
+                    need.tolist(), seqs, targets, owned, requested, finals, strict=True):
+                new_owned = kv.grow(seq, target - asked, old, final)
+                if new_owned is not None:
                     b.owned[row] = new_owned
                     b.requested[row] = target
                 else:
@@ -371,12 +363,11 @@ class Engine:
     def _resume_swapped(self) -> None:
         while self.swapped and self._num_running() < self.cfg.max_num_seqs and self._budget > 0:
             req, filled, cpu_slots = self.swapped[0]
-            if self.alloc.allocate(req, filled + 1) is None:
+            owned = self.kv.admit(req, filled + 1, int(self.final[req]))
+            if owned is None:
                 return
             self.swapped.popleft()
             self.swap_used -= cpu_slots
-            owned = self.alloc.num_owned(req)
-            self._take(req, owned)
             self.batch.add(req, filled, self.g, owned, filled + 1, int(self.final[req]))
             self.status[req] = RUNNING
             self._budget -= 1
@@ -396,13 +387,12 @@ class Engine:
             else:
                 need = reserve_slots(alloc.reserve, int(self.prompt[req]), int(self.output[req]),
                                      cfg.max_seq_len)
-            if alloc.allocate(req, need) is None:
+            owned = self.kv.admit(req, need, int(self.final[req]))
+            if owned is None:
                 frag = alloc.num_free() >= alloc.rounded(need)
                 self._mark_blocked(req, _BLOCK_FRAG if frag else _BLOCK_CAP)
                 return True
             self.waiting.popleft()
-            owned = alloc.num_owned(req)
-            self._take(req, owned)
             self.status[req] = RUNNING
             self.prefilling.append(_Prefill(req, context, 0, owned, need))
             self._chunks.append((self.prefilling[-1], min(self._budget, context)))
@@ -464,13 +454,10 @@ class Engine:
         token_states = decode_context
         if self.prefilling:
             token_states += sum(p.done for p in self.prefilling)
-        owned = self.owned_total
-        if self.shared_total:
+        if self.kv.shared_total:
             token_states -= self._dup_filled()
-            owned -= self.shared_total
-        self.rec.record(self.now, dt, token_states, owned, self.internal_total,
-                        self.alloc.largest_allocatable(), self._num_running(),
-                        len(self.waiting) + len(self.swapped), self.shared_total)
+        self.kv.record(self.rec, self.now, dt, token_states, self._num_running(),
+                       len(self.waiting) + len(self.swapped))
 
     def _end_step(self) -> None:
         self.g += 1
@@ -492,11 +479,10 @@ class Engine:
         n = b.n
         done = (b.offset[:n] + g >= b.final[:n]).nonzero()[0]
         if len(done):
-            reqs, seqs, _, owned, _, _ = b.columns(done)
-            free, take, status = self.alloc.free, self._take, self.status
-            for req, seq, held in zip(reqs, seqs, owned, strict=True):
-                free(seq)
-                take(req, held, -1)
+            reqs, seqs, _, owned, _, finals = b.columns(done)
+            release, status = self.kv.release, self.status
+            for req, seq, held, final in zip(reqs, seqs, owned, finals, strict=True):
+                release(seq, held, final)
                 if status[req] != FINISHED:  # several rows of one request end together
                     self._finish(req)
             b.remove_rows(done)
@@ -529,8 +515,7 @@ class Engine:
 
     def _record_idle(self, dt: float) -> None:
         """The split while nothing runs, until the next arrival."""
-        self.rec.record(self.now, dt, 0, self.owned_total, self.internal_total,
-                        self.alloc.largest_allocatable(), 0, len(self.waiting))
+        self.kv.record(self.rec, self.now, dt, 0, 0, len(self.waiting))
 
     def _process(self, env: simpy.Environment):  # type: ignore[no-untyped-def]
         static = self.cfg.batching == "static"
@@ -568,9 +553,7 @@ class Engine:
 
     def memory_split(self) -> tuple[int, int, int, int]:
         """(token_states, reservation, internal, free) right now, from the engine's bookkeeping."""
-        token = sum(s.filled for s in self.live_sequences())
-        return (token, self.owned_total - token - self.internal_total, self.internal_total,
-                self.capacity - self.owned_total)
+        return self.kv.split(sum(s.filled for s in self.live_sequences()))
 
     def _sample_address_map(self) -> None:
         """Who holds each slot now, binned to ``address_map_bins`` rows: the sequence id where
@@ -610,13 +593,10 @@ class Engine:
         owned = int(b.owned[: b.n].sum()) + sum(p.owned for p in self.prefilling)
         internal = int(np.maximum(0, b.owned[: b.n] - b.final[: b.n]).sum()) \
             + sum(max(0, p.owned - int(self.final[p.req])) for p in self.prefilling)
-        assert owned == self.owned_total, (owned, self.owned_total)
-        assert internal == self.internal_total, (internal, self.internal_total)
-        assert self.capacity - owned == self.alloc.num_free()
         for row in range(b.n):
             assert self.alloc.num_owned(int(b.seq[row])) == b.owned[row]
             assert int(b.offset[row]) + g <= b.final[row] or self.cfg.batching == "static"
-        self.alloc.check()
+        self.kv.check(owned, internal)
 
     def run(self) -> Engine:
         env = simpy.Environment(initial_time=self.now)

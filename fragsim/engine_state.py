@@ -18,6 +18,7 @@ from fragsim.allocators import Allocator
 from fragsim.batch import DecodeBatch
 from fragsim.costmodel import CostModel
 from fragsim.engine_config import EngineConfig
+from fragsim.kv_manager import DenseKV
 from fragsim.metrics import Recorder
 
 
@@ -38,9 +39,7 @@ class EngineState(Protocol):
     grows: bool
     block_size: int
     capacity: int
-    owned_total: int
-    internal_total: int
-    shared_total: int
+    kv: DenseKV
     arrival: np.ndarray
     final: np.ndarray
     generated: np.ndarray
@@ -53,7 +52,6 @@ class EngineState(Protocol):
     prefilling: list[Any]
     _next: int
     _quiet: bool
-    _extend_many: Callable[[list[int], list[int]], list[int] | None] | None
     _decode_step_time: Callable[[int, int], float] | None
     _freed: bool
     _budget: int

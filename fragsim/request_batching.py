@@ -37,8 +37,7 @@ def static_step(engine: EngineState) -> float:
     else:
         dt = float(engine.cost.decode_step_times(n, np.array([decode_context]))[0])
     token_states = int(np.minimum(b.offset[: b.n] + engine.g, b.final[: b.n]).sum())
-    engine.rec.record(engine.now, dt, token_states, engine.owned_total, engine.internal_total,
-                    engine.alloc.largest_allocatable(), n, len(engine.waiting))
+    engine.kv.record(engine.rec, engine.now, dt, token_states, n, len(engine.waiting))
     if engine.observer is not None:
         engine.observer.before_step(engine, dt)
     engine.now = engine.now + dt
@@ -53,8 +52,7 @@ def static_step(engine: EngineState) -> float:
     if b.n and bool(np.all(b.offset[: b.n] + engine.g >= b.final[: b.n])):
         for row in range(b.n):
             req = int(b.req[row])
-            engine.alloc.free(req)
-            engine._take(req, int(b.owned[row]), -1)
+            engine.kv.release(req, int(b.owned[row]), int(engine.final[req]))
             engine._finish(req)
         b.clear()
         engine._static_running = False
@@ -97,7 +95,7 @@ def static_jump(engine: EngineState) -> float:
     pulled = np.searchsorted(engine.arrival, starts[:k], side="right")
     waiting = len(engine.waiting) + engine.servable_cum[pulled] - engine.servable_cum[engine._next]
     engine.rec.record_steps(engine.now, dts[:k], token_states,
-                          np.full(k, engine.owned_total), np.full(k, engine.internal_total),
+                          np.full(k, engine.kv.owned_total), np.full(k, engine.kv.internal_total),
                           np.full(k, engine.alloc.largest_allocatable()), n, waiting)
     engine.now = float(starts[k])
     engine.g += k

@@ -55,9 +55,10 @@ Prefix caching (``prefix_caching``)
 
 Counting with sharing
     A slot is counted once whatever the number of sequences holding it. The
-    engine keeps ``owned_total`` (Σ over sequences) and ``internal_total`` as
-    before and subtracts ``shared_total = block_size × Σ_b max(0, ref_cnt − 1)``
-    (the allocator's ``num_shared_slots``)::
+    engine's KV manager (:class:`~fragsim.kv_manager.DenseKV`) keeps ``owned_total``
+    (Σ over sequences) and ``internal_total`` as before and subtracts
+    ``shared_total = block_size × Σ_b max(0, ref_cnt − 1)`` (the allocator's
+    ``num_shared_slots``)::
 
         owned (physical) = owned_total − shared_total
         token_states     = Σ filled(seq) − (shared_total − Σ_prefilling shared)
@@ -146,13 +147,13 @@ class SharingEngine(Engine):
         return shared + self.width * (-(-(final - shared) // B) * B)
 
     def _dup_filled(self) -> int:
-        return self.shared_total - sum(p.shared for p in self.prefilling)
+        return self.kv.shared_total - sum(p.shared for p in self.prefilling)
 
     def _num_running(self) -> int:
         return self.batch.n + sum(len(p.seqs) for p in self.prefilling)
 
     def _refresh_shared(self) -> None:
-        self.shared_total = self.alloc.num_shared_slots()
+        self.kv.refresh_shared()
 
     # --------------------------------------------------------------- admission
 
@@ -253,9 +254,8 @@ class SharingEngine(Engine):
         final = int(self.final[req])
         pruned = [i for i in range(len(seqs)) if not picked[i]]
         for i in pruned:  # pruned first: their blocks come free
-            alloc.free(seqs[i])
+            self.kv.release(seqs[i], int(b.owned[rows[i]]), final)
             del self._score[seqs[i]]
-            self._take(req, int(b.owned[rows[i]]), -1)
         for row, seq, scores in zip(rows.tolist(), seqs, picked, strict=True):
             if not scores:
                 continue
@@ -326,9 +326,9 @@ class SharingEngine(Engine):
         if pre is not None and pre.req > cand:
             self.cached[pre.req] = 0  # its next placement finds the cache anew (or resumes from swap)
             self.prefilling.remove(pre)
+            final = int(self.final[pre.req])
             for seq in pre.seqs:
-                self._take(pre.req, alloc.num_owned(seq), -1)
-                alloc.free(seq)
+                self.kv.release(seq, alloc.num_owned(seq), final)
             self._refresh_shared()
             self._requeue(pre.req, 0, pre.owned)
             return pre.req
@@ -340,9 +340,8 @@ class SharingEngine(Engine):
         filled = int(b.offset[rows[0]]) + self.g
         owned = 0
         for row in rows.tolist():
-            alloc.free(int(b.seq[row]))
+            self.kv.release(int(b.seq[row]), int(b.owned[row]), int(b.final[row]))
             self._score.pop(int(b.seq[row]), None)  # a group restarts from its prompt
-            self._take(cand, int(b.owned[row]), -1)
             owned += int(b.owned[row])
         b.remove_rows(rows)
         self._refresh_shared()
@@ -384,9 +383,8 @@ class SharingEngine(Engine):
         if len(done):
             for row in done.tolist():
                 req, seq = int(b.req[row]), int(b.seq[row])
-                alloc.free(seq)
+                self.kv.release(seq, int(b.owned[row]), int(b.final[row]))
                 self._score.pop(seq, None)
-                self._take(req, int(b.owned[row]), -1)
                 if self.status[req] != FINISHED:
                     self._finish(req)
                     if self.prefix is not None:
@@ -414,9 +412,7 @@ class SharingEngine(Engine):
         b = self.batch
         token = int(np.minimum(b.offset[: b.n] + self.g, b.final[: b.n]).sum()) \
             + sum(p.done for p in self.prefilling) - self._dup_filled()
-        owned = self.owned_total - self.shared_total
-        return (token, owned - token - self.internal_total, self.internal_total,
-                self.capacity - owned)
+        return self.kv.split(token)
 
     def prefix_cache_stats(self) -> dict[str, float]:
         queries, hits = self.num_prefix_queries, self.num_prefix_hits
@@ -446,12 +442,9 @@ class SharingEngine(Engine):
                 owned += alloc.num_owned(seq)
                 internal += max(0, alloc.num_owned(seq) - final)
                 holders.append((seq, p.done if i == 0 else 0, final))
-        assert owned == self.owned_total, (owned, self.owned_total)
-        assert internal == self.internal_total, (internal, self.internal_total)
-        assert self.shared_total == alloc.num_shared_slots(), "shared slots drifted"
-        assert self.capacity - (owned - self.shared_total) == alloc.num_free()
+        assert self.kv.shared_total == alloc.num_shared_slots(), "shared slots drifted"
+        self.kv.check(owned, internal)
         assert sorted(s for s, _, _ in holders) == sorted(alloc.seq_ids()), "sequences drifted"
-        alloc.check()
         cap = self.capacity
         position = np.full(cap, -1, dtype=np.int64)
         held = np.zeros(cap, dtype=bool)

@@ -130,7 +130,7 @@ def jump(engine: EngineState) -> float:
     n, g, k, ctx0 = b.n, engine.g, stretch.k, stretch.ctx0
     # Shared slots stay put during a stretch (nothing forks, frees or is admitted), and
     # every shared block is full: Σ owned and Σ filled both count them `shared` too often.
-    shared = engine.shared_total
+    shared = engine.kv.shared_total
     largest: np.ndarray | None
     if engine.grows:
         k, owned_steps, internal_steps = jump_growth(engine, b.offset[:n] + g, k)
@@ -140,8 +140,8 @@ def jump(engine: EngineState) -> float:
             owned_steps = owned_steps - shared
         largest = None  # paged: every free slot is allocatable
     else:
-        owned_steps = np.full(k, engine.owned_total, dtype=np.int64)
-        internal_steps = np.full(k, engine.internal_total, dtype=np.int64)
+        owned_steps = np.full(k, engine.kv.owned_total, dtype=np.int64)
+        internal_steps = np.full(k, engine.kv.internal_total, dtype=np.int64)
         largest = np.full(k, engine.alloc.largest_allocatable(), dtype=np.int64)
     dts = stretch.dts[:k]
     token_states = np.arange(ctx0 - shared, ctx0 - shared + n * k, n, dtype=np.int64)
@@ -168,7 +168,7 @@ def jump_growth(engine: EngineState, filled0: np.ndarray, k: int) -> tuple[int, 
     exceeds what it owns, i.e. at ``j0 = owned − filled0``, then every ``B`` steps.
     Stops before the first step whose blocks would not all be available.
     """
-    b, B = engine.batch, engine.block_size
+    b, B, kv = engine.batch, engine.block_size, engine.kv
     n = b.n
     j0 = b.owned[:n] - filled0
     if k <= B:
@@ -176,14 +176,14 @@ def jump_growth(engine: EngineState, filled0: np.ndarray, k: int) -> tuple[int, 
     count = np.where(j0 < k, (k - j0 + B - 1) // B, 0)
     total = int(count.sum())
     if total == 0:
-        return (k, np.full(k, engine.owned_total, dtype=np.int64),
-                np.full(k, engine.internal_total, dtype=np.int64))
+        return (k, np.full(k, kv.owned_total, dtype=np.int64),
+                np.full(k, kv.internal_total, dtype=np.int64))
     rows = np.repeat(np.arange(n), count)
     within = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
     step = j0[rows] + B * within
     per_step = np.bincount(step, minlength=k)
     cum = np.cumsum(per_step)
-    free_blocks = (engine.capacity - engine.owned_total + engine.shared_total) // B
+    free_blocks = (kv.capacity - kv.physical) // B
     over = np.flatnonzero(cum > free_blocks)
     if len(over):
         k = int(over[0])
@@ -195,28 +195,21 @@ def jump_growth(engine: EngineState, filled0: np.ndarray, k: int) -> tuple[int, 
     final = b.final[rows]
     old = b.owned[rows] + B * within
     d_internal = np.maximum(0, old + B - final) - np.maximum(0, old - final)
-    owned_steps = engine.owned_total + B * np.cumsum(np.bincount(step, minlength=k))[:k]
-    internal_steps = engine.internal_total + np.cumsum(
+    owned_steps = kv.owned_total + B * np.cumsum(np.bincount(step, minlength=k))[:k]
+    internal_steps = kv.internal_total + np.cumsum(
         np.bincount(step, weights=d_internal, minlength=k)).astype(np.int64)[:k]
     # The blocks in exact-mode order: step by step, rows in request order within a step.
     # A row's first block asks for what it lacks, each later one for B more slots.
     rows, within = rows[order], within[order]
     targets = old[order] + 1
     asked = np.where(within > 0, B, targets - b.requested[rows])
-    extend_many = engine._extend_many
-    if extend_many is not None:
-        grown = extend_many(b.seq[rows].tolist(), asked.tolist()) is not None
-    else:
-        extend = engine.alloc.extend
-        grown = all(extend(seq, n) for seq, n in zip(b.seq[rows].tolist(), asked.tolist(), strict=True))
-    if not grown:
+    if not kv.extend_all(b.seq[rows].tolist(), asked.tolist()):
         raise AssertionError("paged growth failed inside a stretch that had room for it")
     blocks = np.bincount(rows, minlength=n)
     live_requested, live_owned = b.requested[:n], b.owned[:n]
     np.copyto(live_requested, live_owned + (B * blocks - B + 1), where=blocks > 0)
     live_owned += B * blocks
-    engine.owned_total = int(owned_steps[-1])
-    engine.internal_total = int(internal_steps[-1])
+    kv.moved(int(owned_steps[-1]) - kv.owned_total, int(internal_steps[-1]) - kv.internal_total)
     return k, owned_steps, internal_steps
 
 
@@ -224,13 +217,13 @@ def _growth_one_block_each(engine: EngineState, j0: np.ndarray, k: int) -> tuple
     """:func:`jump_growth` over at most ``B`` steps, where no row takes a second block:
     the rows that take one, in exact-mode order (by step, then by request), and the
     per-step sums in plain ints (a short stretch grows a few rows)."""
-    b, B = engine.batch, engine.block_size
-    owned_total, internal_total = engine.owned_total, engine.internal_total
+    b, B, kv = engine.batch, engine.block_size, engine.kv
+    owned_total, internal_total = kv.owned_total, kv.internal_total
     rows = (j0 < k).nonzero()[0]
     if len(rows) == 0:
         return k, np.full(k, owned_total, dtype=np.int64), np.full(k, internal_total, dtype=np.int64)
     step = j0[rows]
-    free_blocks = (engine.capacity - owned_total + engine.shared_total) // B
+    free_blocks = (kv.capacity - kv.physical) // B
     if len(rows) > free_blocks:
         # The first step whose blocks are not all free: the one the (free + 1)-th block
         # in step order falls in. The stretch stops before it.
@@ -248,13 +241,7 @@ def _growth_one_block_each(engine: EngineState, j0: np.ndarray, k: int) -> tuple
         if held + B > final:  # the new block's tail is never filled: internal fragmentation
             internal[j] += held + B - final - (held - final if held > final else 0)
     asked = [held + 1 - had for held, had in zip(owned, requested, strict=True)]
-    extend_many = engine._extend_many
-    if extend_many is not None:
-        grown = extend_many(seqs, asked) is not None
-    else:
-        extend = engine.alloc.extend
-        grown = all(extend(seq, n) for seq, n in zip(seqs, asked, strict=True))
-    if not grown:
+    if not kv.extend_all(seqs, asked):
         raise AssertionError("paged growth failed inside a stretch that had room for it")
     b.requested[rows] = [held + 1 for held in owned]
     b.owned[rows] = [held + B for held in owned]
@@ -264,5 +251,5 @@ def _growth_one_block_each(engine: EngineState, j0: np.ndarray, k: int) -> tuple
         internal_total += internal[j]
         owned_steps.append(owned_total)
         internal_steps.append(internal_total)
-    engine.owned_total, engine.internal_total = owned_total, internal_total
+    kv.moved(owned_total - kv.owned_total, internal_total - kv.internal_total)
     return k, np.array(owned_steps, dtype=np.int64), np.array(internal_steps, dtype=np.int64)
