@@ -58,7 +58,7 @@ from fragsim.allocators import Allocator, Extent, reserve_slots
 from fragsim.batch import DecodeBatch
 from fragsim.costmodel import CostModel
 from fragsim.engine_config import EngineConfig
-from fragsim.kv_manager import DenseKV
+from fragsim.kv_manager import DenseKV, KVManager
 from fragsim.metrics import Recorder
 
 # Request status codes in the per-request arrays.
@@ -209,7 +209,7 @@ class Engine:
         rounded = np.array([self.alloc.rounded(int(x)) for x in needs], dtype=np.int64)
         return dict(zip(needs.tolist(), (rounded <= largest_empty).tolist(), strict=True))
 
-    def _make_kv(self, allocator: Allocator) -> DenseKV:
+    def _make_kv(self, allocator: Allocator) -> KVManager:
         """The KV manager this engine asks (a subclass may bring its own)."""
         return DenseKV(allocator)
 

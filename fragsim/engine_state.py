@@ -18,7 +18,7 @@ from fragsim.allocators import Allocator
 from fragsim.batch import DecodeBatch
 from fragsim.costmodel import CostModel
 from fragsim.engine_config import EngineConfig
-from fragsim.kv_manager import DenseKV
+from fragsim.kv_manager import KVManager
 from fragsim.metrics import Recorder
 
 
@@ -39,7 +39,6 @@ class EngineState(Protocol):
     grows: bool
     block_size: int
     capacity: int
-    kv: DenseKV
     arrival: np.ndarray
     final: np.ndarray
     generated: np.ndarray
@@ -58,6 +57,9 @@ class EngineState(Protocol):
     _step_extra: float
     _chunks: list[tuple[Any, int]]
     _static_running: bool
+
+    @property
+    def kv(self) -> KVManager: ...
 
     def _pull_arrivals(self) -> None: ...
 

@@ -26,10 +26,47 @@ kind and category themselves; their engine's KV manager is
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from fragsim.allocators import Allocator
 from fragsim.metrics import Recorder
+
+
+class KVManager(Protocol):
+    """What the engine asks of its KV manager (:class:`DenseKV`, or the hybrid one)."""
+
+    alloc: Any
+    capacity: int
+    owned_total: int
+    internal_total: int
+    shared_total: int
+
+    @property
+    def physical(self) -> int: ...
+
+    def take(self, final: int, owned: int, delta: int = 1) -> None: ...
+
+    def moved(self, d_owned: int, d_internal: int) -> None: ...
+
+    def admit(self, seq: int, need: int, final: int) -> int | None: ...
+
+    def release(self, seq: int, owned: int, final: int) -> None: ...
+
+    def grow(self, seq: int, delta: int, old: int, final: int) -> int | None: ...
+
+    def grow_many(self, seqs: list[int], deltas: list[int], old: Sequence[int],
+                  finals: Sequence[int]) -> list[int] | None: ...
+
+    def extend_all(self, seqs: list[int], deltas: list[int]) -> bool: ...
+
+    def refresh_shared(self) -> None: ...
+
+    def record(self, rec: Recorder, now: float, dt: float, token_states: int, running: int,
+               waiting: int) -> None: ...
+
+    def split(self, token_states: int) -> tuple[int, int, int, int]: ...
+
+    def check(self, owned: int, internal: int) -> None: ...
 
 
 class DenseKV:

@@ -168,13 +168,13 @@ def test_split_identity_with_shared_blocks(model: str, pool: float) -> None:
     spec = _spec(model, pool, 60, prefix_caching=True)
     engine = make_engine(load_workload(spec), "vllm-hybrid", spec, check=True)
     seen: list[int] = []
-    split = engine._record_split
+    split = engine.kv.current_split
 
-    def spy(dt: float, s: np.ndarray, running: int, waiting: int) -> None:
+    def spy() -> np.ndarray:
         seen.append(sum(engine.manager.dup))  # type: ignore[attr-defined]
-        split(dt, s, running, waiting)
+        return split()
 
-    engine._record_split = spy  # type: ignore[method-assign]
+    engine.kv.current_split = spy  # type: ignore[method-assign]
     engine.run()
     assert max(seen) > 0
     assert engine.num_prefix_hits > 0

@@ -51,24 +51,15 @@ from fragsim.engine import (
     EngineConfig,
     _Prefill,
 )
-from fragsim.hybrid.base import (
-    CATEGORIES,
-    FREE,
-    INTERNAL,
-    OUT_OF_WINDOW,
-    PADDING,
-    TOKEN,
-    HybridManager,
-    kind_of_rows,
-)
-from fragsim.hybrid.split import SplitRecorder
+from fragsim.hybrid.base import HybridManager
+from fragsim.hybrid.kv import HybridKV
 from fragsim.prefix import PrefixKeys
-
-_HELD_ELSEWHERE = [INTERNAL, PADDING, OUT_OF_WINDOW]
 
 
 class HybridEngine(Engine):
     """Replays ``trace`` against a hybrid KV manager; call :meth:`run` once."""
+
+    kv: HybridKV
 
     def __init__(self, trace: object, manager: HybridManager, cost_model: CostModel,
                  config: EngineConfig, progress: Callable[[int], None] | None = None,
@@ -88,8 +79,7 @@ class HybridEngine(Engine):
         super().__init__(trace, cast(Allocator, manager), cost_model, config, progress=progress,
                          observer=observer)
         manager.bind_finals(self.final)
-        self.split_rec = SplitRecorder(manager.labels, kind_of_rows(manager.rows), manager.capacity,
-                                       config.timeseries_resolution_s)
+        self.split_rec = self.kv.split_rec
         self.prefix = PrefixKeys(trace, manager.block_size) if config.prefix_caching else None  # type: ignore[arg-type]
         self.num_prefix_queries = 0        # tokens looked up at admission (vLLM: queries)
         self.num_prefix_hits = 0           # of which found cached
@@ -100,8 +90,9 @@ class HybridEngine(Engine):
     def _fits_alone(self, needs: np.ndarray) -> dict[int, bool]:
         return {int(n): self.manager.fits_empty(int(n)) for n in needs.tolist()}
 
-    def _take(self, req: int, owned: int, delta: int = 1) -> None:
-        """The manager keeps the bytes; the engine's slot totals are not used."""
+    def _make_kv(self, allocator: Allocator) -> HybridKV:  # type: ignore[override]
+        """The manager keeps the bytes; its split is asked of the sequences live now."""
+        return HybridKV(self.manager, self.cfg.timeseries_resolution_s, self._live)
 
     # --------------------------------------------------------- prefix caching
 
@@ -201,42 +192,14 @@ class HybridEngine(Engine):
             computed = np.concatenate((computed, [p.done for p in self.prefilling]))
         return seqs.astype(np.int64), computed.astype(np.int64)
 
-    def _record_split(self, dt: float, split: np.ndarray, running: int, waiting: int) -> None:
-        m = self.manager
-        free = int(split[:, FREE].sum())
-        self.rec.record(self.now, dt, int(split[:, TOKEN].sum()), m.capacity - free,
-                        int(split[:, _HELD_ELSEWHERE].sum()), m.largest_allocatable(), running, waiting)
-        self.split_rec.record(self.now, dt, split, m.num_used_blocks())
-
-    def _record_step(self, dt: float, decode_context: int) -> None:
-        seqs, computed = self._live()
-        self._record_split(dt, self.manager.split(seqs, computed), self._num_running(),
-                           len(self.waiting) + len(self.swapped))
-
-    def _record_idle(self, dt: float) -> None:
-        none = np.zeros(0, dtype=np.int64)
-        self._record_split(dt, self.manager.split(none, none), 0, len(self.waiting))
-
-    def memory_split(self) -> tuple[int, int, int, int]:
-        """(token_states, reservation, everything else held, free) in bytes, now."""
-        seqs, computed = self._live()
-        split = self.manager.split(seqs, computed)
-        return (int(split[:, TOKEN].sum()), int(split[:, CATEGORIES.index("reservation")].sum()),
-                int(split[:, _HELD_ELSEWHERE].sum()), int(split[:, FREE].sum()))
-
     def _check(self) -> None:
-        """The fast split against one rebuilt from every sequence's blocks; the
-        engine's thresholds against the manager's; the manager's own invariants."""
+        """The engine's thresholds against the manager's, then the KV manager's check: the
+        fast split against one rebuilt from every sequence's blocks, the manager's own
+        invariants."""
         m, b = self.manager, self.batch
-        seqs, computed = self._live()
-        fast, slow = m.split(seqs, computed), m.split_slow(seqs, computed)
-        assert (fast == slow).all(), f"split drifted at t={self.now}:\n{fast}\n!=\n{slow}"
-        assert int(fast.sum()) == m.capacity
         for row in range(b.n):
-            seq = int(b.seq[row])
-            assert m.num_owned(seq) == b.owned[row], (seq, m.num_owned(seq), int(b.owned[row]))
-            assert m.num_requested(seq) == b.requested[row]
-        m.check()
+            assert m.num_requested(int(b.seq[row])) == b.requested[row]
+        super()._check()
 
     def _grow_decoders(self) -> None:
         """Room for this step's token in every decoding sequence: all at once when the
@@ -287,10 +250,6 @@ class HybridEngine(Engine):
         if len(touched):
             b.requested[touched] = last[touched]
             b.owned[touched] = m.owned_many(m_seqs[touched])
-        free = splits[:, :, FREE].sum(axis=1)
-        dts = run.dts[:k]
-        self.rec.record_steps(self.now, dts, splits[:, :, TOKEN].sum(axis=1), m.capacity - free,
-                              splits[:, :, _HELD_ELSEWHERE].sum(axis=(1, 2)), largest, n,
-                              stretch.waiting_counts(self, run, k))
-        self.split_rec.record_steps(self.now, dts, splits, used)
+        self.kv.record_steps(self.rec, self.now, run.dts[:k], splits, largest, used, n,
+                             stretch.waiting_counts(self, run, k))
         return stretch.advance(self, run, k)
