@@ -326,7 +326,10 @@ def main(args: argparse.Namespace) -> int:
     for s in (r.summary for r in results):
         if spec.sharing:
             beams = f" ({spec.beam_width} beams, θ = {s['beam_theta']:g})" if spec.beam_width > 1 else ""
-            notes.append(f"{s['allocator']}: sharing saves {s['blocks_saved_frac']:.1%} of the blocks{beams}; "
+            # the hybrid managers count shared blocks once in their byte split instead
+            saved = "" if s.get("by_kind") else \
+                f"sharing saves {s['blocks_saved_frac']:.1%} of the blocks{beams}; "
+            notes.append(f"{s['allocator']}: {saved}"
                          f"prefix cache hit {s['prefix_cache_hit_rate']:.1%} "
                          f"({s['prefix_cache_hits']:,} of {s['prefix_cache_queries']:,} tokens); "
                          f"{s['num_prefill_tokens']:,} prompt tokens computed")
