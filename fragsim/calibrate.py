@@ -546,3 +546,31 @@ def fit_points(m: Measurements, prior: StepCostModel, spec: Any, *,
     rows["error"] = sim / target - 1
     return FitReport(fitted, names, _errors(sim[train], target[train]),
                      _errors(sim[~train], target[~train]), rows, evaluations)
+
+
+def evaluate(m: Measurements, model: StepCostModel, spec: Any = None) -> dict[str, float]:
+    """A fitted model's error on measurements it was not fitted to (every row counts)."""
+    from fragsim.simulate import simulate
+    from fragsim.traces import Trace
+
+    t = m.table
+    if m.kind == "steps":
+        pred = model.step_times(t["num_prefill_tokens"], t["prefill_attention_units"],
+                                t["num_decode"], t["decode_context"])
+        return _errors(np.asarray(pred), t["step_time_s"].to_numpy())
+    if spec is None:
+        raise FragsimError(f"{m.source}: checking against {m.kind} replays them: name the deployment "
+                           "(--model, --gpu)")
+    if m.kind == "requests":
+        trace = Trace(Path(m.source).stem, m.source, t["arrival_s"].to_numpy(),
+                      t["prompt_len"].to_numpy(), t["output_len"].to_numpy())
+        r = simulate(trace, "vllm", spec, cost=model).requests
+        every = np.ones(len(t), dtype=bool)
+        return _request_errors(r["ttft_s"].to_numpy(), r["tpot_s"].to_numpy(),
+                               t["ttft_s"].to_numpy(), t["tpot_s"].to_numpy(), every)
+    from fragsim.simulate import load_workload
+
+    specs = point_specs(m, spec)
+    sim = np.array([simulate(load_workload(s), t["allocator"].iloc[i], s, cost=model).summary["mean_running"]
+                    for i, s in enumerate(specs)])
+    return _errors(sim, t["mean_running"].to_numpy())

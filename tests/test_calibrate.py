@@ -309,3 +309,17 @@ def test_calibrate_holds_the_measured_attention_term(tmp_path: Path,
     m = load_cost_model(out)
     assert m.context_token_s == pytest.approx(get_model("opt-13b").kv_bytes_per_token * 1.1 / 3000e9)
     assert m.fit is not None and m.fit["attention_times"]["rows"] == 9
+
+
+def test_calibrate_reports_the_error_on_another_file(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    fit_on, other = tmp_path / "monday.csv", tmp_path / "tuesday.csv"
+    synthetic_steps(seed=1).to_csv(fit_on, index=False)
+    synthetic_steps(seed=2, noise=0.05).to_csv(other, index=False)
+    out = tmp_path / "m.toml"
+    assert cli_main(["calibrate", str(fit_on), "--evaluate", str(other), "--out", str(out)]) == 0
+    assert "error on tuesday.csv (not fitted)" in capsys.readouterr().out
+    m = load_cost_model(out)
+    assert m.fit is not None
+    held = m.fit["evaluated"]["tuesday.csv"]
+    assert held["rows"] == 300 and 0.02 < held["mape"] < 0.08   # the other file's own noise

@@ -76,6 +76,9 @@ def register(subparsers: Any) -> None:
                    help="decode-attention kernel times measured on the device (kernels.json of "
                         "benchmarks/gpu_check.py): they set context_token_s, which is then held "
                         "(needs --model, for its KV bytes per token)")
+    g.add_argument("--evaluate", metavar="FILE", action="append", default=[],
+                   help="also report the fitted model's error on these measurements, which the fit "
+                        "never sees (another run, day or load; repeatable)")
     g.add_argument("--holdout", type=fraction, default=0.2,
                    help="fraction of rows held back to measure the fit's error (default 0.2)")
     g.add_argument("--seed", type=int, default=0, help="seed of the held-back rows (default 0)")
@@ -244,5 +247,16 @@ def main(args: argparse.Namespace) -> int:
         parts = [f"{k} {v:.1%}" if "ape" in k or "error" in k else f"{k} {v:,}"
                  for k, v in errors.items() if v == v]
         out.print(f"[dim]error on the {label} rows: {', '.join(parts) or 'none'}[/dim]", highlight=False)
+    for other in args.evaluate:
+        m_other, _ = calibrate.load_measurements(other)
+        errors = calibrate.evaluate(m_other, fitted, spec)
+        fit_info.setdefault("evaluated", {})[Path(other).name] = errors
+        parts = [f"{k} {v:.1%}" if "ape" in k or "error" in k else f"{k} {v:,}"
+                 for k, v in errors.items() if v == v]
+        out.print(f"[dim]error on {Path(other).name} (not fitted): {', '.join(parts)}[/dim]",
+                  highlight=False)
+    if args.evaluate:
+        text = replace(fitted, fit=fit_info).to_toml()
+        write_atomically(out_path, lambda f: f.write(text.encode()))
     out.print(f"wrote {out_path}")
     return 0
