@@ -404,6 +404,31 @@ def _nelder_mead(objective: Callable[[np.ndarray], float], x0: np.ndarray,
     return x, used
 
 
+def _fit_by_replay(names: tuple[str, ...], base: StepCostModel,
+                   loss: Callable[[StepCostModel], float], max_evaluations: int, ridge: float,
+                   progress: Callable[[int, float], None] | None) -> tuple[StepCostModel, int]:
+    """Nelder-Mead over the free coefficients ``names`` as log-ratios to their start (the
+    prior, or :data:`TYPICAL` where it is 0), minimising ``loss(model)`` plus ``ridge``
+    times the squared log-ratios; the fitted model and the replays it took."""
+    start = np.array([getattr(base, n) or TYPICAL[n] for n in names])
+    evaluations = 0
+
+    def model_of(z: np.ndarray) -> StepCostModel:
+        return base.with_coefficients(**dict(zip(names, (float(a) for a in start * np.exp(z)),
+                                                 strict=True)))
+
+    def objective(z: np.ndarray) -> float:
+        nonlocal evaluations
+        evaluations += 1
+        value = loss(model_of(z)) + ridge * float(np.sum(z**2))
+        if progress is not None:
+            progress(evaluations, value)
+        return value
+
+    z, _ = _nelder_mead(objective, np.zeros(len(names)), max_evaluations)
+    return model_of(z), evaluations
+
+
 def fit_requests(m: Measurements, prior: StepCostModel, spec: Any, *,
                  free: Sequence[str] | None = None, fixed: dict[str, float] | None = None,
                  holdout: float = 0.2, seed: int = 0, max_evaluations: int = 120,
@@ -428,12 +453,6 @@ def fit_requests(m: Measurements, prior: StepCostModel, spec: Any, *,
     base = prior.with_coefficients(**fixed)
     ttft, tpot = t["ttft_s"].to_numpy(), t["tpot_s"].to_numpy()
     has_tpot = np.isfinite(tpot) & (tpot > 0)
-    start = np.array([getattr(base, n) or TYPICAL[n] for n in names])
-    evaluations = 0
-
-    def model_of(z: np.ndarray) -> StepCostModel:
-        return base.with_coefficients(**dict(zip(names, (float(a) for a in start * np.exp(z)),
-                                                 strict=True)))
 
     def replay(cost: StepCostModel) -> tuple[np.ndarray, np.ndarray]:
         r = simulate(trace, "vllm", spec, cost=cost).requests
@@ -454,16 +473,8 @@ def fit_requests(m: Measurements, prior: StepCostModel, spec: Any, *,
         tpot_loss = float(np.mean(tpot_err**2)) if len(tpot_err) else 0.0
         return tpot_loss + float(np.mean(np.log(q_sim / q_meas) ** 2)) + 25.0 * unfinished
 
-    def objective(z: np.ndarray) -> float:
-        nonlocal evaluations
-        evaluations += 1
-        loss = loss_of(*replay(model_of(z))) + ridge * float(np.sum(z**2))
-        if progress is not None:
-            progress(evaluations, loss)
-        return loss
-
-    z, _ = _nelder_mead(objective, np.zeros(len(names)), max_evaluations)
-    fitted = model_of(z)
+    fitted, evaluations = _fit_by_replay(names, base, lambda cost: loss_of(*replay(cost)),
+                                         max_evaluations, ridge, progress)
     sim_ttft, sim_tpot = replay(fitted)
     rows = t.copy()
     rows["fitted_ttft_s"], rows["fitted_tpot_s"], rows["held_out"] = sim_ttft, sim_tpot, held
@@ -516,12 +527,6 @@ def fit_points(m: Measurements, prior: StepCostModel, spec: Any, *,
     traces = [load_workload(s) for s in specs]
     target = t["mean_running"].to_numpy()
     base = prior.with_coefficients(**fixed)
-    start = np.array([getattr(base, n) or TYPICAL[n] for n in names])
-    evaluations = 0
-
-    def model_of(z: np.ndarray) -> StepCostModel:
-        return base.with_coefficients(**dict(zip(names, (float(a) for a in start * np.exp(z)),
-                                                 strict=True)))
 
     def replay(cost: StepCostModel, rows: np.ndarray) -> np.ndarray:
         out = np.full(len(t), math.nan)
@@ -529,17 +534,10 @@ def fit_points(m: Measurements, prior: StepCostModel, spec: Any, *,
             out[i] = simulate(traces[i], t["allocator"].iloc[i], specs[i], cost=cost).summary["mean_running"]
         return out
 
-    def objective(z: np.ndarray) -> float:
-        nonlocal evaluations
-        evaluations += 1
-        sim = replay(model_of(z), train)
-        loss = float(np.mean(np.log(sim[train] / target[train]) ** 2) + ridge * np.sum(z**2))
-        if progress is not None:
-            progress(evaluations, loss)
-        return loss
+    def loss(cost: StepCostModel) -> float:
+        return float(np.mean(np.log(replay(cost, train)[train] / target[train]) ** 2))
 
-    z, _ = _nelder_mead(objective, np.zeros(len(names)), max_evaluations)
-    fitted = model_of(z)
+    fitted, evaluations = _fit_by_replay(names, base, loss, max_evaluations, ridge, progress)
     sim = replay(fitted, np.ones(len(t), dtype=bool))
     rows = t.copy()
     rows["fitted"] = sim

@@ -49,7 +49,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cache, cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -353,12 +353,20 @@ COST_MODEL_PRESETS = tuple(sorted(p.stem for p in PRESET_DIR.glob("*.toml")))
 
 
 def load_cost_model(path_or_name: str | Path) -> StepCostModel:
-    """A fitted model from a TOML file, or a bundled preset by name."""
-    path = Path(path_or_name)
+    """A fitted model from a TOML file, or a bundled preset by name (read once)."""
     if str(path_or_name) in COST_MODEL_PRESETS:
-        path = PRESET_DIR / f"{path_or_name}.toml"
+        return _preset(str(path_or_name))
+    return _read_cost_model(Path(path_or_name))
+
+
+@cache
+def _preset(name: str) -> StepCostModel:
+    return _read_cost_model(PRESET_DIR / f"{name}.toml")
+
+
+def _read_cost_model(path: Path) -> StepCostModel:
     if not path.is_file():
-        raise FragsimError(f"cost model {str(path_or_name)!r}: no such preset or file; presets: "
+        raise FragsimError(f"cost model {str(path)!r}: no such preset or file; presets: "
                            f"{', '.join(COST_MODEL_PRESETS)}; or roofline, fixed, auto")
     try:
         data = tomllib.loads(path.read_text())

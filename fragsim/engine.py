@@ -165,6 +165,8 @@ class Engine:
         self.swap_used = 0
         self.batch = DecodeBatch()
         self.num_prefill_tokens = 0     # prompt tokens computed (prefix-cache hits are not)
+        self.num_prefix_queries = 0     # prefix caching: tokens looked up at admission (vLLM: queries)
+        self.num_prefix_hits = 0        # of which found cached
         self.num_done = 0
         self._quiet = False
         self._static_running = False
@@ -554,6 +556,12 @@ class Engine:
     def memory_split(self) -> tuple[int, int, int, int]:
         """(token_states, reservation, internal, free) right now, from the engine's bookkeeping."""
         return self.kv.split(sum(s.filled for s in self.live_sequences()))
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """Prefix-cache counts in vLLM's names, in tokens (all 0 without prefix caching)."""
+        queries, hits = self.num_prefix_queries, self.num_prefix_hits
+        return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
+                "prefix_cache_hit_rate": hits / queries if queries else 0.0}
 
     def _sample_address_map(self) -> None:
         """Who holds each slot now, binned to ``address_map_bins`` rows: the sequence id where

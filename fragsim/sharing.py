@@ -125,8 +125,6 @@ class SharingEngine(Engine):
         self._rng = np.random.default_rng(config.sharing_seed)
         self.theta = config.beam_theta
         self._score: dict[int, float] = {}  # beam seq -> cumulative log-probability (beams only)
-        self.num_prefix_queries = 0        # tokens looked up at admission (vLLM: queries)
-        self.num_prefix_hits = 0           # of which found cached
         self.cached = np.zeros(self.N, dtype=np.int64)  # tokens found cached at its last admission
         #: (parent seq, child seq, shared positions) per fork, for an observer; None: not kept
         self.fork_log: list[tuple[int, int, int]] | None = [] if observer is not None else None
@@ -413,11 +411,6 @@ class SharingEngine(Engine):
         token = int(np.minimum(b.offset[: b.n] + self.g, b.final[: b.n]).sum()) \
             + sum(p.done for p in self.prefilling) - self._dup_filled()
         return self.kv.split(token)
-
-    def prefix_cache_stats(self) -> dict[str, float]:
-        queries, hits = self.num_prefix_queries, self.num_prefix_hits
-        return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
-                "prefix_cache_hit_rate": hits / queries if queries else 0.0}
 
     # ------------------------------------------------------------------- check
 

@@ -394,9 +394,7 @@ def _sharing_summary(engine: Engine, mean_free: float) -> dict[str, Any]:
     alloc = engine.alloc
     shared = engine.rec.mean_shared()
     physical = engine.capacity - mean_free
-    stats = getattr(engine, "prefix_cache_stats", None)
-    out: dict[str, Any] = dict(stats()) if stats is not None else {
-        "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_rate": 0.0}
+    out: dict[str, Any] = dict(engine.prefix_cache_stats())
     out.update({
         "num_prefix_cache_evictions": int(getattr(alloc, "num_evictions", 0)),
         "mean_shared_slots": shared,

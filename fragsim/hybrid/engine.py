@@ -81,8 +81,6 @@ class HybridEngine(Engine):
         manager.bind_finals(self.final)
         self.split_rec = self.kv.split_rec
         self.prefix = PrefixKeys(trace, manager.block_size) if config.prefix_caching else None  # type: ignore[arg-type]
-        self.num_prefix_queries = 0        # tokens looked up at admission (vLLM: queries)
-        self.num_prefix_hits = 0           # of which found cached
         self.num_prefix_hits_by_kind: dict[str, int] = {}  # each kind's own hit, on its own
 
     # ------------------------------------------------------------------ setup
@@ -144,11 +142,6 @@ class HybridEngine(Engine):
         super()._finish(req)
         if self.prefix is not None:
             self.prefix.forget(req)
-
-    def prefix_cache_stats(self) -> dict[str, float]:
-        queries, hits = self.num_prefix_queries, self.num_prefix_hits
-        return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
-                "prefix_cache_hit_rate": hits / queries if queries else 0.0}
 
     def run(self) -> Engine:
         super().run()
