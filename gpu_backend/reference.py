@@ -1,4 +1,5 @@
-"""Plain PyTorch decode attention, the ground truth for :mod:`gpu_backend.kernels`.
+"""Plain PyTorch decode attention, the ground truth for :mod:`gpu_backend.kernels`,
+:mod:`gpu_backend.kernels_window` and :mod:`gpu_backend.kernels_mla`.
 
 Clarity over speed: one sequence at a time, gather its K/V into a dense
 ``[seq_len, num_kv_heads, head_dim]`` tensor, then textbook softmax attention in fp32::
@@ -7,7 +8,9 @@ Clarity over speed: one sequence at a time, gather its K/V into a dense
     q[i]    [q_heads, head_dim]  x  k (kv head h // group)  ->  scores [q_heads, seq_len]
     softmax(scores * scale) @ v                              ->  out[i] [q_heads, head_dim]
 
-The layouts are those documented in :mod:`gpu_backend.kernels`.
+The layouts are those documented in :mod:`gpu_backend.kernels`. The windowed references
+gather only the window's positions; the MLA reference materialises per-head K and V from
+the latent instead of absorbing the up-projections, so the kernel's algebra is checked too.
 """
 
 from __future__ import annotations
@@ -80,4 +83,111 @@ def paged_decode_attention_ref(
         k = gather_paged(k_cache, block_tables[i], seq_len, block_size)
         v = gather_paged(v_cache, block_tables[i], seq_len, block_size)
         out[i] = attend_one(q[i], k, v, scale)
+    return out
+
+
+# --------------------------------------------------------------------------- windows
+
+
+def window_start(seq_len: int, window: int | None = None, chunk: int | None = None) -> int:
+    """First position attended by the query at ``seq_len - 1``: sliding (the last
+    ``window`` positions), chunked (its own chunk of ``chunk``) or full (neither given)."""
+    if window is not None:
+        return max(0, seq_len - window)
+    if chunk is not None:
+        return (seq_len - 1) // chunk * chunk
+    return 0
+
+
+def gather_paged_range(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int,
+                       block_size: int) -> torch.Tensor:
+    """K or V of positions ``start .. end - 1``; table entries of other blocks are not read."""
+    positions = torch.arange(start, end, device=block_table.device)
+    slots = block_table.long()[positions // block_size] * block_size + positions % block_size
+    return cache[slots]
+
+
+def _windowed_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                  scale: float | None, window: int | None, chunk: int | None) -> torch.Tensor:
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start = window_start(seq_len, window, chunk)
+        k = gather_paged_range(k_cache, block_tables[i], start, seq_len, block_size)
+        v = gather_paged_range(v_cache, block_tables[i], start, seq_len, block_size)
+        out[i] = attend_one(q[i], k, v, scale)
+    return out
+
+
+def sliding_window_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    window: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Reference for :func:`gpu_backend.kernels_window.sliding_window_decode_attention`:
+    positions [max(0, L - window), L)."""
+    return _windowed_ref(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale,
+                         window, None)
+
+
+def chunked_local_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    chunk: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Reference for :func:`gpu_backend.kernels_window.chunked_local_decode_attention`:
+    positions [((L - 1) // chunk) * chunk, L)."""
+    return _windowed_ref(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale,
+                         None, chunk)
+
+
+# --------------------------------------------------------------------------- MLA
+
+
+def mla_decode_attention_ref(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_pe: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Reference for :func:`gpu_backend.kernels_mla.mla_decode_attention`, without absorption.
+
+    Per sequence, the per-head keys and values are materialised from the latent, then
+    textbook attention in fp32::
+
+        c [L, kv_lora_rank], pe [L, rope_dim]           gathered through the block table
+        K[h] = [c @ w_uk[h]^T | pe]   [L, qk_nope_dim + rope_dim]
+        V[h] =  c @ w_uv[h]           [L, v_head_dim]
+        out[i, h] = softmax([q_nope | q_pe][i, h] . K[h]^T * scale) @ V[h]
+    """
+    scale = 1.0 / math.sqrt(q_nope.shape[-1] + q_pe.shape[-1]) if scale is None else scale
+    num_heads = q_nope.shape[1]
+    out = q_nope.new_empty(q_nope.shape[0], num_heads, w_uv.shape[-1])
+    w_uk, w_uv = w_uk.float(), w_uv.float()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        slots = paged_slots(block_tables[i], seq_len, block_size)
+        c, pe = c_kv[slots].float(), k_pe[slots].float()
+        k_nope = torch.einsum("sr,hdr->hsd", c, w_uk)
+        k = torch.cat([k_nope, pe.expand(num_heads, -1, -1)], dim=-1)
+        v = torch.einsum("sr,hrv->hsv", c, w_uv)
+        q = torch.cat([q_nope[i].float(), q_pe[i].float()], dim=-1)  # [heads, nope + rope]
+        weights = torch.softmax(torch.einsum("hd,hsd->hs", q, k) * scale, dim=-1)
+        out[i] = torch.einsum("hs,hsv->hv", weights, v).to(out.dtype)
     return out
