@@ -252,12 +252,13 @@ def make_allocator(name: str, capacity: int, spec: RunSpec) -> Any:
 
 def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
                 progress: Callable[[int], None] | None = None, check: bool = False,
-                cost: Any = None) -> Engine:
+                cost: Any = None, model_gpu: tuple[Any, Any] | None = None) -> Engine:
     """The engine a spec describes; ``cost`` (a cost model object) overrides
-    ``spec.cost_model`` (the calibration fit tries many)."""
+    ``spec.cost_model`` (the calibration fit tries many), ``model_gpu`` the spec's
+    model and GPU (a model built in code, such as the validator's miniatures)."""
     from fragsim.costmodel import make_cost_model
 
-    model, gpu = _model_gpu(spec)
+    model, gpu = model_gpu or _model_gpu(spec)
     hybrid = is_hybrid_manager(allocator_name)
     allocator = make_hybrid_manager(allocator_name, spec, (model, gpu)) if hybrid \
         else make_allocator(allocator_name, pool_slots(spec), spec)

@@ -141,3 +141,132 @@ def _table(records: list[Any], capacity: int) -> list[dict[str, Any]]:
     running = max(r.running for r in records)
     rows.append({"quantity": "peak running", "simulated": running, "measured": running, "match": True})
     return rows
+
+
+# ------------------------------------------------------------------ hybrid models
+
+
+@dataclass(frozen=True)
+class HybridShape:
+    """The miniature a hybrid model is validated as (:func:`gpu_backend.hybrid_pool.miniature`)."""
+
+    num_layers: int | None = None    # the model's first layers; None: enough for every kind
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    q_per_kv: int = 2
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_heads", "head_dim", "q_per_kv"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_layers is not None and self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.dtype not in ("float16", "float32"):
+            raise ValueError(f"dtype must be float16 or float32, got {self.dtype!r}")
+
+
+@dataclass
+class HybridValidationReport:
+    allocator: str
+    model: str
+    device: str
+    num_requests: int
+    pool_bytes: int
+    rows: list[str]
+    steps_checked: int
+    table: list[dict[str, Any]]
+    attention_checks: int
+    content_checks: int
+    state_checks: int
+    window_reuses: int
+    preemptions: int
+    max_abs_error: float
+    error: str | None
+    wall_time_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and all(row["match"] for row in self.table)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["ok"] = self.ok
+        return out
+
+
+def run_hybrid_validation(spec: RunSpec, allocator: str, *, device: str = "cpu",
+                          shape: HybridShape | None = None, scale: float = 1.0,
+                          attention_every: int = 1, corrupt: Any = None, offset: int = 0,
+                          pool_bytes: int | None = None) -> HybridValidationReport:
+    """Replay ``spec``'s trace with a hybrid manager on a miniature of ``spec.model``
+    whose pool lives on ``device``; the byte split must agree at every step.
+
+    Lengths, windows and chunks are multiplied by ``scale``; the pool (unless
+    ``pool_bytes``) holds about ``scale`` times the tokens the full-size pool holds.
+    """
+    import torch
+
+    from fragsim.catalog import get_gpu, get_model
+    from fragsim.simulate import pool_bytes as full_pool_bytes
+    from gpu_backend.hybrid_backend import HybridDeviceBackend
+    from gpu_backend.hybrid_pool import HybridPool, layout_of, miniature
+    from gpu_backend.pool import ValidationError
+
+    shape = shape or HybridShape()
+    if not 0 < scale <= 1:
+        raise ValueError(f"scale must be in (0, 1], got {scale}")
+    model, gpu = get_model(spec.model, catalog=spec.catalog), get_gpu(spec.gpu, catalog=spec.catalog)
+    dtype = getattr(torch, shape.dtype)
+    mini = miniature(model, num_layers=shape.num_layers, kv_heads=shape.num_kv_heads,
+                     head_dim=shape.head_dim, scale=scale, dtype_bytes=2 if dtype == torch.float16 else 4)
+    if pool_bytes is None:
+        tokens = full_pool_bytes(spec, (model, gpu)) / max(1, model.kv_bytes_per_token_per_gpu(spec.tp))
+        pool_bytes = max(1 << 16, int(tokens * scale * mini.kv_bytes_per_token_per_gpu(spec.tp)))
+    spec = dataclasses.replace(spec, exact_steps=True, address_map=True, kv_cache_memory_bytes=pool_bytes,
+                               max_seq_len=max(16, int(math.ceil(spec.max_seq_len * scale))))
+    trace = load_workload(spec)
+    if offset:
+        from fragsim.traces import slice_trace
+
+        trace = slice_trace(trace, offset=offset)
+    trace = scaled_trace(trace, scale)
+    engine = make_engine(trace, allocator, spec, model_gpu=(mini, gpu))
+    manager: Any = engine.alloc
+    pool = HybridPool(layout_of(manager, mini, spec.tp), dtype=dtype, device=device)
+    backend = HybridDeviceBackend(pool, manager, shape.q_per_kv, attention_every=attention_every,
+                                  corrupt=corrupt)
+    engine.attach(backend)
+    t0 = time.perf_counter()
+    error = None
+    try:
+        engine.run()
+    except ValidationError as exc:
+        error = str(exc)
+    wall = time.perf_counter() - t0
+    return HybridValidationReport(
+        allocator, mini.name, device, len(trace), pool_bytes, list(manager.labels), len(backend.records),
+        _hybrid_table(backend.records, manager.labels), backend.attention_checks, backend.content_checks,
+        backend.state_checks, backend.window_reuses, int(engine.preemptions.sum()), backend.max_abs_error,
+        error, wall)
+
+
+def _hybrid_table(records: list[Any], labels: list[str]) -> list[dict[str, Any]]:
+    """Per row and category: mean bytes simulated and measured (each step must match)."""
+    from fragsim.hybrid.base import CATEGORIES
+
+    if not records:
+        return []
+    sim = np.stack([r.simulated for r in records]).astype(np.float64)
+    dev = np.stack([r.measured for r in records]).astype(np.float64)
+    rows = []
+    for i, label in enumerate(labels):
+        for c, cat in enumerate(CATEGORIES):
+            if not sim[:, i, c].any() and not dev[:, i, c].any():
+                continue
+            rows.append({"quantity": f"{label}: mean {cat} (bytes)", "simulated": float(sim[:, i, c].mean()),
+                         "measured": float(dev[:, i, c].mean()),
+                         "match": bool((sim[:, i, c] == dev[:, i, c]).all())})
+    running = max(r.running for r in records)
+    rows.append({"quantity": "peak running", "simulated": running, "measured": running, "match": True})
+    return rows

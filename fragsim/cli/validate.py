@@ -16,7 +16,19 @@ Replay a slice of a trace with every allocation decision executed on a real KV
 pool (torch tensors on CUDA, or on the CPU through Triton's interpreter), write
 every token's K/V, run decode attention with the Triton kernels each step, and
 compare the memory split measured on the device with the simulated one. Exits
-non-zero on any mismatch."""
+non-zero on any mismatch.
+
+Hybrid KV managers (paged-uniform, vllm-hybrid, jenga, static-partition) run on a
+miniature of --model: its first layers, with every layer kind the model has, a few
+small heads, windows and chunks times --scale, small states. The pool is laid out
+as the manager lays it (vLLM's per-layer buffers shared by one layer of each group,
+Jenga's large pages carved into small ones, a pool per kind), sliding and chunked
+rows read only their window through Triton, states are checked on every read, and
+the byte split per row and category measured on the device must equal the
+simulated one at every step:
+
+  fragsim validate --device cpu --model gpt-oss-20b --allocator vllm-hybrid,jenga \
+      --trace azure-conv --pool-bytes 60000"""
 
 
 def register(subparsers: Any) -> None:
@@ -40,11 +52,19 @@ def register(subparsers: Any) -> None:
     p.add_argument("--max-seq-len", type=positive_int, default=2048)
     p.add_argument("--scale", type=positive_float, default=None,
                    help="multiply lengths, max-seq-len and pool by this (default: 1 on cuda, 0.05 on cpu)")
-    p.add_argument("--layers", type=positive_int, default=None, help="layers in the pool (default 2)")
+    p.add_argument("--layers", type=positive_int, default=None,
+                   help="layers in the pool (default 2; hybrid: the model's first N layers, default enough for every kind)")
     p.add_argument("--q-heads", type=positive_int, default=None, help="query heads (default 40 cuda / 4 cpu)")
     p.add_argument("--kv-heads", type=positive_int, default=None, help="KV heads (default 40 cuda / 2 cpu)")
     p.add_argument("--head-dim", type=positive_int, default=None, help="head dim (default 128 cuda / 16 cpu)")
     p.add_argument("--dtype", choices=("float16", "float32"), default="float16")
+    h = p.add_argument_group("hybrid KV managers (--allocator vllm-hybrid, jenga, static-partition, "
+                             "paged-uniform)")
+    h.add_argument("--pool-bytes", type=positive_int, default=None,
+                   help="the miniature's pool in bytes (default: about --scale times the tokens the "
+                        "full-size pool holds)")
+    h.add_argument("--q-per-kv", type=positive_int, default=2,
+                   help="query heads per KV head in the miniature (default %(default)s)")
     g = p.add_argument_group("block sharing (paged allocators: --allocator vllm)")
     g.add_argument("--parallel-samples", type=positive_int, default=1, metavar="N",
                    help="N samples per prompt over shared prompt blocks (copy-on-write on the device)")
@@ -68,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
 
     from fragsim.cli.run import parse_allocators
     from fragsim.errors import FragsimError
-    from fragsim.report import clean_json, run_id
+    from fragsim.report import clean_json
     from fragsim.simulate import RunSpec
     from gpu_backend.validate import ModelShape, run_validation
 
@@ -93,6 +113,14 @@ def main(args: argparse.Namespace) -> int:
                    num_requests=num_requests + args.offset, num_samples=args.parallel_samples,
                    beam_width=args.beam_width, prefix_caching=args.prefix_caching,
                    system_prompt_len=args.system_prompt_len)
+    from fragsim.simulate import is_hybrid_manager
+
+    hybrid = [a for a in allocators if is_hybrid_manager(a)]
+    if hybrid and len(hybrid) != len(allocators):
+        raise FragsimError("--allocator: validate hybrid KV managers "
+                           f"({', '.join(hybrid)}) apart from the dense allocators")
+    if hybrid:
+        return _main_hybrid(args, spec, allocators, device, scale)
     reports = []
     for name in allocators:
         report = run_validation(spec, name, device=device, shape=shape, scale=scale,
@@ -104,6 +132,12 @@ def main(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         else:
             _print(report)
+    return _finish(args, spec, allocators, reports)
+
+
+def _finish(args: argparse.Namespace, spec: Any, allocators: list[str], reports: list[Any]) -> int:
+    from fragsim.report import clean_json, run_id
+
     out = Path(args.out) / f"validate-{run_id({'allocators': allocators, **spec.to_dict()})}"
     out.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(clean_json([r.to_dict() for r in reports]), indent=2) + "\n"
@@ -114,6 +148,63 @@ def main(args: argparse.Namespace) -> int:
         print(f"fragsim: validation FAILED for {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _main_hybrid(args: argparse.Namespace, spec: Any, allocators: list[str], device: str,
+                 scale: float) -> int:
+    from fragsim.errors import FragsimError
+    from fragsim.report import clean_json
+    from gpu_backend.validate import HybridShape, run_hybrid_validation
+
+    try:
+        shape = HybridShape(num_layers=args.layers, num_kv_heads=args.kv_heads or 2,
+                            head_dim=args.head_dim or 16, q_per_kv=args.q_per_kv, dtype=args.dtype)
+    except ValueError as exc:
+        raise FragsimError(str(exc)) from None
+    reports = []
+    for name in allocators:
+        try:
+            report = run_hybrid_validation(spec, name, device=device, shape=shape, scale=scale,
+                                           attention_every=args.attention_every or 1,
+                                           offset=args.offset, pool_bytes=args.pool_bytes)
+        except ValueError as exc:
+            raise FragsimError(f"allocator {name!r}: {exc}") from None
+        reports.append(report)
+        if args.json:
+            sys.stdout.write(json.dumps(clean_json(report.to_dict())) + "\n")
+            sys.stdout.flush()
+        else:
+            _print_hybrid(report)
+    return _finish(args, spec, allocators, reports)
+
+
+def _print_hybrid(report: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    status = "[green]agree[/green]" if report.ok else "[red]MISMATCH[/red]"
+    table = Table(title=f"{report.allocator} on {report.device}, {report.model}: {report.num_requests} "
+                        f"requests, a {report.pool_bytes:,}-byte pool, {report.steps_checked:,} steps "
+                        f"checked — {status}", title_justify="left")
+    table.add_column("row: quantity")
+    table.add_column("simulated", justify="right")
+    table.add_column("measured on device", justify="right")
+    table.add_column("equal at every step", justify="center")
+    for row in report.table:
+        table.add_row(row["quantity"], f"{row['simulated']:,.1f}", f"{row['measured']:,.1f}",
+                      "yes" if row["match"] else "[red]NO[/red]")
+    table.add_row("attention checks passed", f"{report.attention_checks:,}",
+                  f"max |err| {report.max_abs_error:.2e}", "yes" if report.error is None else "[red]NO[/red]")
+    table.add_row("stored K/V checks passed", f"{report.content_checks:,}", "", "")
+    table.add_row("state reads checked", f"{report.state_checks:,}", "", "")
+    table.add_row("blocks a window freed, taken again", f"{report.window_reuses:,}", "", "")
+    table.add_row("preemptions", f"{report.preemptions:,}", "", "")
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
+    console.print(table)
+    if report.error:
+        console.print(f"[red]{report.error}[/red]")
 
 
 def _print(report: Any) -> None:
