@@ -6,12 +6,14 @@ A sequence of length L has its query at position L - 1 and attends to [lo, L)::
     sliding    lo = max(0, L - W)            the last W positions, the query's own included
     chunked    lo = ((L - 1) // C) * C       its own chunk of C positions (Llama 4)
 
-    L = 11, block_size = 4, W = 6 (sliding):
+    L = 11, block_size = 4, W = 6 (sliding): lo = 5
 
         position:  0  1  2  3 | 4  5  6  7 | 8  9  10
-        block:     table[0]   | table[1]   | table[2]
-                   . . . . .  . x  x  x  x | x  x  x     lo = 5
-                   ^ freed: table[0] may be -1 or reused, and is never read
+        attended:  .  .  .  . | .  x  x  x | x  x  x
+        entry:     table[0]   | table[1]   | table[2]
+                   freed: -1 or reused, never read
+
+    chunked, C = 8: lo = 8, so table[0] and table[1] are never read
 
 Hybrid allocators free the blocks that lie wholly before ``lo`` and reuse them for
 other sequences, so their block-table entries may be -1 or point at someone else's
@@ -20,7 +22,8 @@ of a block that ends at or before it. Tiles stay aligned to multiples of ``BLOCK
 (so a tile still lies in one block when ``BLOCK_N`` divides ``block_size``): the first
 tile starts at ``lo`` rounded down and masks the positions before ``lo``::
 
-    BLOCK_N = 4:  tile [4, 8) masks 4; tiles [8, 12) ... ; splits cut [4, L), not [0, L)
+    sliding above, BLOCK_N = 4:  tiles [4, 8) (position 4 masked), [8, 12);
+                                 flash-decoding splits cut [4, L), not [0, L)
 
 One kernel serves the three kinds through the ``WINDOW_KIND`` constexpr; everything
 else (GQA groups, the online softmax, flash-decoding splits and their merge, the shape
