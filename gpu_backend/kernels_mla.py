@@ -187,7 +187,7 @@ def mla_decode_attention(
     Knobs: ``block_h`` heads per program (default all, at most 16; more heads re-read
     the latent once per head block), ``block_n`` tokens per tile (default 32 in fp16,
     16 in fp32 at a latent up to 512 wide), ``use_dot`` (default: 16 heads or more),
-    ``num_warps`` (default 8 with ``tl.dot``, else 4), and ``num_splits``, ``validate``
+    ``num_warps`` (default 8), and ``num_splits``, ``validate``
     as in the paged kernel.
     """
     batch, num_heads, v_head_dim = _check_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, out,
@@ -259,8 +259,9 @@ def _mla_plan(batch: int, num_heads: int, qk_nope_dim: int, kv_lora_rank: int, r
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     if num_warps is None:
-        # 16 heads x 32 tokens x 512 at 4 warps spills on sm_90; at 8, ~160 registers.
-        num_warps = 8 if use_dot else 4
+        # The [BLOCK_H, 512] fp32 accumulator wants 8 warps: 16 heads x 32 tokens spill
+        # on sm_90 at 4, and take ~126 registers at 8 (8 heads without dot: 168 -> 128).
+        num_warps = 8
     if num_warps < 1 or num_warps & (num_warps - 1):
         raise ValueError(f"num_warps must be a power of two, got {num_warps}")
     meta = {"KV_LORA_RANK": kv_lora_rank, "ROPE_DIM": rope_dim,

@@ -46,6 +46,7 @@ from gpu_backend.kernels import (
     _check_qkv,
     _combine_splits,
     _combine_splits_kernel,
+    _Plan,
     _plan,
     _split_buffers,
     _store_group,
@@ -243,8 +244,8 @@ def windowed_decode_attention(
     if validate and batch > 0:
         max_len = _check_window_block_tables(block_tables, seq_lens, block_size,
                                             k_cache.shape[0], kind, span)
-    plan = _plan(q, num_kv_heads, scale, _attended_len(kind, span, max_len), num_splits, block_n,
-                 use_dot, num_warps)
+    plan = _window_plan(q, num_kv_heads, scale, _attended_len(kind, span, max_len), num_splits,
+                        block_n, use_dot, num_warps)
     out = torch.empty_like(q) if out is None else out
     if batch == 0:
         return out
@@ -260,6 +261,18 @@ def windowed_decode_attention(
     )
     _combine_splits(part, m, l_s, out, plan.num_splits)
     return out
+
+
+def _window_plan(q: torch.Tensor, num_kv_heads: int, scale: float | None, max_len: int | None,
+                 num_splits: int | None, block_n: int | None, use_dot: bool | None,
+                 num_warps: int) -> _Plan:
+    """:func:`gpu_backend.kernels._plan`, with 32-token tiles for fp32 ``tl.dot`` at
+    head_dim > 64: its 64-token default spills ~270 bytes on sm_80 there (ptxas)."""
+    group = q.shape[1] // num_kv_heads
+    dot = group > 1 if use_dot is None else use_dot
+    if block_n is None and dot and q.dtype == torch.float32 and q.shape[2] > 64:
+        block_n = 32
+    return _plan(q, num_kv_heads, scale, max_len, num_splits, block_n, use_dot, num_warps)
 
 
 def _window_meta(plan_meta: dict, block_size: int, kind: int) -> dict:
@@ -380,8 +393,8 @@ def aot_variants() -> list[dict[str, Any]]:
     Each entry: ``name``, ``fn`` (the ``@triton.jit`` function), ``signature`` (a Triton
     type for every argument in order, ``constexpr`` for the constexprs), ``constexprs``,
     ``num_warps``, ``num_stages``, and ``attrs`` (see :func:`_aot_attrs`). The constexprs
-    come from the wrappers' own planning (:func:`gpu_backend.kernels._plan` with its
-    default tile sizes and 4 warps); with one split the partial buffers are the output,
+    come from the wrappers' own planning (:func:`_window_plan` with its default tile
+    sizes and 4 warps); with one split the partial buffers are the output,
     as the wrappers pass them.
     """
     block_size, num_warps = 16, 4
@@ -390,7 +403,7 @@ def aot_variants() -> list[dict[str, Any]]:
     for kind, dtype, head_dim, group, num_splits in itertools.product(
             (SLIDING, CHUNKED), (torch.float16, torch.float32), (64, 128), (1, 8), (1, 4)):
         q = torch.empty(1, group, head_dim, dtype=dtype, device="meta")
-        plan = _plan(q, 1, None, None, num_splits, None, None, num_warps)
+        plan = _window_plan(q, 1, None, None, num_splits, None, None, num_warps)
         constexprs = _window_meta(plan.meta, block_size, kind)
         elem = _TRITON_DTYPES[dtype]
         part = "*fp32" if num_splits > 1 else elem

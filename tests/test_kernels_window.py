@@ -288,3 +288,6 @@ def test_aot_variants_cover_and_match_the_plan():
                                "WINDOW_KIND": CHUNKED}
     assert v["signature"]["q_ptr"] == "*fp16" and v["signature"]["part_ptr"] == "*fp32"
     assert v["constexprs"]["USE_DOT"] and v["num_warps"] == 4
+    # fp32 tl.dot at head_dim 128 takes 32-token tiles (64 spill on sm_80).
+    assert "sliding/fp32/g8/d128/bs16/bn32/s1" in names
+    assert "sliding/fp32/g1/d128/bs16/bn64/s1" in names
