@@ -184,8 +184,9 @@ def variants() -> list[Variant]:
             if exc.name == module_name:
                 continue  # not written (yet): nothing to compile
             raise
-        prefix = module_name.rsplit(".", 1)[-1] + ":"
-        found += [Variant.from_dict(d, prefix) for d in module.aot_variants()]
+        short = module_name.rsplit(".", 1)[-1]
+        found += [Variant.from_dict({"used_by": (short,), **d}, short + ":")
+                  for d in module.aot_variants()]
     return _merge(found)
 
 
@@ -302,16 +303,21 @@ def _cuda_splits(num_kv_heads: int, batches: Iterable[int], contexts: Iterable[i
 
 
 def _merge(found: Iterable[Variant]) -> list[Variant]:
+    """One variant per name and one per compiled kernel: a variant equal to an earlier one
+    (another wrapper or module launching the same kernel) adds its users to that one."""
     by_name: dict[str, Variant] = {}
+    name_of: dict[str, str] = {}  # repr(inputs) -> name
     for v in found:
-        old = by_name.get(v.name)
+        key = repr(v.inputs())
+        name = name_of.setdefault(key, v.name)
+        old = by_name.get(name)
         if old is None:
-            by_name[v.name] = v
+            by_name[name] = v
         elif old.inputs() != v.inputs():
             raise ValueError(f"two different variants are named {v.name!r}")
         else:
             used_by = old.used_by + tuple(u for u in v.used_by if u not in old.used_by)
-            by_name[v.name] = dataclasses.replace(old, used_by=used_by)
+            by_name[name] = dataclasses.replace(old, used_by=used_by)
     return list(by_name.values())
 
 

@@ -7,7 +7,7 @@ Triton's cache in a temporary folder.
 
 Each test reports registers and spills three ways: a line on stdout (``pytest -rA``),
 ``record_property`` (``--junitxml``) and pytest's cache
-(``pytest --cache-show 'aot/*'`` after a run). ``python -m gpu_backend.aot`` prints the
+(``pytest --cache-show 'aot/**/*'`` after a run). ``python -m gpu_backend.aot`` prints the
 same as one table.
 """
 
@@ -27,15 +27,10 @@ tl = triton.language
 from gpu_backend import aot  # noqa: E402
 
 VARIANTS = aot.variants()
-# Variants known to spill, with the finding; strict, so a fix shows up as XPASS (failing)
-# and the entry gets deleted. An accepted spill belongs in the variant's spill_ok instead.
-KNOWN_SPILLS: dict[tuple[str, int], str] = {
-    **{(f"kernels_window:{kind}/fp32/g8/d128/bs16/bn64/s{s}", 80):
-       "fp32 GQA x8 at head_dim 128: 255 registers and ~260 B of spills on sm_80 (not sm_90)"
-       for kind in ("sliding", "chunked") for s in (1, 4)},
-    ("kernels_mla:mla/fp16/h8/r512/p64/bs16/bn2/s1", 90):
-        "MLA fp16, 8 heads, block_n 2: 8 B of spills on sm_90",
-}
+# Variants known to spill, keyed (name, arch), with the finding: strict xfails, so a fix
+# shows up as XPASS (failing) and the entry gets deleted. A spill that is acceptable
+# belongs in the variant's spill_ok instead. None at present.
+KNOWN_SPILLS: dict[tuple[str, int], str] = {}
 
 
 @pytest.fixture(scope="session")
@@ -73,6 +68,11 @@ def test_variant_compiles_without_spills(variant, arch, compiler, request, recor
     _report(request, record_property, result)
     assert result.n_regs <= aot.MAX_REGISTERS
     assert not result.problems(variant.spill_ok), (variant.name, arch, variant.used_by)
+
+
+def test_known_spills_name_variants():
+    names = {v.name for v in VARIANTS}
+    assert [key for key in KNOWN_SPILLS if key[0] not in names or key[1] not in aot.ARCHS] == []
 
 
 def test_variants_follow_the_split_heuristic():
