@@ -203,6 +203,25 @@ class HybridManager:
         shapes: dict[tuple, int] = {}
         self._shape = [shapes.setdefault((r.is_state, r.kind, r.block_tokens, r.window, r.chunk,
                                           r.frees_window), len(shapes)) for r in rows]
+        # Each row's parameters as plain ints, for the per-sequence paths (numpy scalars
+        # cost more than the arithmetic): (is_state, block, frees: 0 none, 1 sliding,
+        # 2 chunked, window, chunk).
+        self._rinfo = [(r.is_state, r.block_tokens, (1 if r.kind == "sliding" else 2 if r.kind == "chunked"
+                                                     else 0) if r.frees_window else 0,
+                        r.window or 1, r.chunk or 1) for r in rows]
+        # Per attention shape: a row holding it, its rows, block, frees code, window, chunk.
+        self._attn_shapes: list[tuple[int, list[int], int, int, int, int]] = []
+        for shape in range(len(shapes)):
+            members = [i for i, s in enumerate(self._shape) if s == shape]
+            state, b, code, w, c = self._rinfo[members[0]]
+            if not state:
+                self._attn_shapes.append((members[0], members, b, code, w, c))
+        # Per row, what the split needs: (is_state, block, token bytes, padding a block,
+        # state bytes, window start: 0 none, 1 sliding, 2 chunked, window, chunk, shape).
+        self._split_info = [(r.is_state, r.block_tokens, r.token_bytes, r.padding_per_block, r.state_bytes,
+                             (1 if r.kind == "sliding" else 2) if r.windowed else 0, r.window or 1,
+                             r.chunk or 1, self._shape[i]) for i, r in enumerate(rows)]
+        self._reps = np.array([rep for rep, *_ in self._attn_shapes], dtype=np.int64)[:, None]
 
     # ---------------------------------------------------------------- lengths
 
@@ -229,59 +248,84 @@ class HybridManager:
                 new[:, : old.shape[1]] = old
                 setattr(self, name, new)
 
-    def _target(self, q: int, computed: int, lo: np.ndarray, hi: np.ndarray) -> tuple[list[int], list[int], list[int], list[int]]:
+    def _target(self, q: int, computed: int, lo: Any, hi: Any) -> tuple[list[int], list[int], list[int], list[int]]:
         """New (lo, hi) per row for ``q`` requested and ``computed`` computed, and the
         blocks each row frees and takes to get there."""
+        if type(lo) is np.ndarray:
+            lo, hi = lo.tolist(), hi.tolist()
         new_lo, new_hi, frees, takes = [], [], [], []
-        for i, row in enumerate(self.rows):
-            lo0, hi0 = int(lo[i]), int(hi[i])
-            if row.is_state:
+        for i, (state, b, code, w, c) in enumerate(self._rinfo):
+            lo0, hi0 = lo[i], hi[i]
+            if state:
                 lo1, hi1 = 0, 1
             else:
-                hi1 = max(hi0, cdiv(q, row.block_tokens))
-                lo1 = max(lo0, row.lo_blocks(computed))
-            frees.append(max(0, min(lo1, hi0) - lo0))
-            takes.append(max(0, hi1 - max(hi0, lo1)))
+                hi1 = -(-q // b)
+                if hi1 < hi0:
+                    hi1 = hi0
+                lo1 = lo0
+                if code and computed > 0:
+                    at = (computed - w + 1 if computed > w - 1 else 0) // b if code == 1 \
+                        else (computed // c * c) // b
+                    if at > lo0:
+                        lo1 = at
+            m = lo1 if lo1 < hi0 else hi0
+            frees.append(m - lo0 if m > lo0 else 0)
+            m = hi0 if hi0 > lo1 else lo1
+            takes.append(hi1 - m if hi1 > m else 0)
             new_lo.append(lo1)
             new_hi.append(hi1)
         return new_lo, new_hi, frees, takes
 
     def _commit(self, seq: int, q: int, new_lo: list[int], new_hi: list[int]) -> None:
         final = self._final(seq)
-        for i, row in enumerate(self.rows):
-            lo0, hi0 = int(self._lo[i, seq]), int(self._hi[i, seq])
-            lo1, hi1 = new_lo[i], new_hi[i]
-            self.held_blocks[i] += (hi1 - lo1) - (hi0 - lo0)
-            if not row.is_state:
-                b = row.block_tokens
-                self._floor[i] += (lo1 - lo0) * b
-                self._tail[i] += self._tail_of(hi1, lo1, b, final) - self._tail_of(hi0, lo0, b, final)
-            self._lo[i, seq], self._hi[i, seq] = lo1, hi1
+        lo, hi = self._lo[:, seq].tolist(), self._hi[:, seq].tolist()
+        held, floor, tails = self.held_blocks, self._floor, self._tail
+        tail_of = self._tail_of
+        for i, (state, b, _, _, _) in enumerate(self._rinfo):
+            lo0, hi0, lo1, hi1 = lo[i], hi[i], new_lo[i], new_hi[i]
+            held[i] += (hi1 - lo1) - (hi0 - lo0)
+            if not state:
+                floor[i] += (lo1 - lo0) * b
+                tails[i] += tail_of(hi1, lo1, b, final) - tail_of(hi0, lo0, b, final)
+        self._lo[:, seq] = new_lo
+        self._hi[:, seq] = new_hi
         self._q[seq] = q
 
     @staticmethod
     def _tail_of(hi: int, lo: int, block_tokens: int, final: int) -> int:
-        return max(0, hi * block_tokens - max(final, lo * block_tokens)) if hi > lo else 0
+        if hi <= lo:
+            return 0
+        end, start = hi * block_tokens, lo * block_tokens
+        if start < final:
+            start = final
+        return end - start if end > start else 0
 
     # ------------------------------------------------------ allocator protocol
 
     def allocate(self, seq_id: int, num_slots: int) -> Any:
         """Room for ``num_slots`` tokens of a new sequence, none computed yet (None: no room)."""
+        if not self._allocate(seq_id, num_slots):
+            return None
+        # Without ids, the blocks per row stand for the placement (the engine only tests it).
+        return self.placement(seq_id) if self.tracks_ids else tuple(self.blocks_held(seq_id))
+
+    def _allocate(self, seq_id: int, num_slots: int) -> bool:
+        """:meth:`allocate` without building the placement: whether there was room."""
         if seq_id in self._live:
             raise ValueError(f"sequence {seq_id} is already allocated")
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        self._ensure(seq_id)
-        zero = np.zeros(len(self.rows), dtype=np.int64)
+        if seq_id >= len(self._q):
+            self._ensure(seq_id)
+        zero = [0] * len(self.rows)
         new_lo, new_hi, frees, takes = self._target(num_slots, 0, zero, zero)
         if not self._place(seq_id, frees, takes):
-            return None
+            return False
         self._live[seq_id] = None
         self._lo[:, seq_id] = 0
         self._hi[:, seq_id] = 0
         self._commit(seq_id, num_slots, new_lo, new_hi)
-        # Without ids, the blocks per row stand for the placement (the engine only tests it).
-        return self.placement(seq_id) if self.tracks_ids else tuple(self.blocks_held(seq_id))
+        return True
 
     def extend(self, seq_id: int, num_slots: int) -> bool:
         """Raise the request to ``q + num_slots`` tokens with ``q + num_slots − 1`` of them
@@ -298,6 +342,20 @@ class HybridManager:
             return False
         self._commit(seq_id, q, new_lo, new_hi)
         return True
+
+    def _extend_owned(self, seq_id: int, num_slots: int) -> int | None:
+        """:meth:`extend`, then :meth:`num_owned` (None: the blocks could not be had)."""
+        if seq_id not in self._live:
+            raise ValueError(f"extend of unknown sequence {seq_id}")
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        q = int(self._q[seq_id]) + num_slots
+        lo, hi = self._lo[:, seq_id].tolist(), self._hi[:, seq_id].tolist()
+        new_lo, new_hi, frees, takes = self._target(q, q - 1, lo, hi)
+        if (any(frees) or any(takes)) and not self._place(seq_id, frees, takes):
+            return None
+        self._commit(seq_id, q, new_lo, new_hi)
+        return self._owned_of(new_lo, new_hi)
 
     def can_take_all(self, per_seq: np.ndarray) -> bool:
         """Whether every sequence can take its blocks, ``per_seq[r, s]`` of row ``r``,
@@ -320,6 +378,105 @@ class HybridManager:
         lo = np.where(self._sliding.reshape(shape), np.maximum(lo0, slide),
                       np.where(self._chunked.reshape(shape), np.maximum(lo0, local), lo0))
         return lo, hi
+
+    def grow_many(self, seqs: np.ndarray, targets: np.ndarray) -> list[int] | None:
+        """:meth:`advance_many` of decoding sequences to ``targets`` (``targets − 1``
+        computed), in the order given, when the free memory is known to hold every block
+        taken (:meth:`can_take_all`); returns what each owns then (:meth:`num_owned`),
+        or None, with nothing changed, when the blocks might not all be had.
+
+        Rows of one shape hold the same blocks, so each shape is worked out once, and a
+        state row (one block from admission on) never moves while a sequence decodes.
+        A step moves a few dozen sequences: plain ints beat numpy's per-call cost."""
+        R, m = len(self.rows), len(seqs)
+        shapes = self._attn_shapes
+        seq_list, tl = seqs.tolist(), targets.tolist()
+        owned: list[int] = []
+        los = self._lo[self._reps, seqs].tolist()
+        his = self._hi[self._reps, seqs].tolist()
+        finals = self._finals
+        fins = finals[seqs].tolist() if finals is not None and len(finals) > max(seq_list) else \
+            [self._final(s) for s in seq_list]
+        S = len(shapes)
+        params = [(b, code, w, c) for _, _, b, code, w, c in shapes]
+        lo1s: list[list[int]] = [[] for _ in range(S)]
+        hi1s: list[list[int]] = [[] for _ in range(S)]
+        frs: list[list[int]] = [[] for _ in range(S)]
+        tks: list[list[int]] = [[] for _ in range(S)]
+        tails = [0] * S
+        cap = self.max_seq_len + 1
+        tail_of = self._tail_of
+        columns = list(zip(*los, *his, strict=True))
+        for t, final, col in zip(tl, fins, columns, strict=True):
+            limit = cap
+            for k, (b, code, w, c) in enumerate(params):
+                lo0, hi0 = col[k], col[S + k]
+                hi1 = (t + b - 1) // b
+                if hi1 < hi0:
+                    hi1 = hi0
+                end = hi1 * b
+                if end < limit:
+                    limit = end
+                lo1 = lo0
+                if code:
+                    if code == 1:
+                        x = (t - w) // b if t > w else 0
+                        if x > lo0:
+                            lo1 = x
+                        x = (lo1 + 1) * b + w - 1
+                    else:
+                        x = (t - 1) // c * c // b
+                        if x > lo0:
+                            lo1 = x
+                        x = -(-((lo1 + 1) * b) // c) * c
+                    if x < limit:
+                        limit = x
+                    x = (lo1 if lo1 < hi0 else hi0) - lo0
+                    frs[k].append(x if x > 0 else 0)
+                    x = hi1 - (hi0 if hi0 > lo1 else lo1)
+                    tks[k].append(x if x > 0 else 0)
+                    lo1s[k].append(lo1)
+                else:
+                    tks[k].append(hi1 - hi0)
+                hi1s[k].append(hi1)
+                if end > final:  # only a block past the final length has a tail
+                    tails[k] += tail_of(hi1, lo1, b, final) - tail_of(hi0, lo0, b, final)
+            owned.append(limit)
+        zero = [0] * m
+        frees_rows, takes_rows = [zero] * R, [zero] * R
+        new: list[tuple[list[int], int, int, list[int], list[int], list[int], list[int], int]] = []
+        for k, (_, rows, b, code, _, _) in enumerate(shapes):
+            for i in rows:
+                frees_rows[i] = frs[k] if code else zero
+                takes_rows[i] = tks[k]
+            new.append((rows, b, code, los[k], his[k], lo1s[k] if code else los[k], hi1s[k], tails[k]))
+        if not self._fits_moves(takes_rows):
+            return None
+        self._place_moves(seq_list, frees_rows, takes_rows)
+        for rows, b, code, lo0, hi0, lo1, hi1, tail in new:
+            d_lo = sum(lo1) - sum(lo0) if code else 0
+            d_held = sum(hi1) - sum(hi0) - d_lo
+            for i in rows:
+                self.held_blocks[i] += d_held
+                self._floor[i] += d_lo * b
+                self._tail[i] += tail
+            index = rows[0] if len(rows) == 1 else np.array(rows)[:, None]
+            if d_lo:
+                self._lo[index, seqs] = lo1
+            self._hi[index, seqs] = hi1
+        self._q[seqs] = targets
+        return owned
+
+    def _fits_moves(self, takes: list[list[int]]) -> bool:
+        """:meth:`can_take_all` of per-row lists (``takes[r][s]``)."""
+        return self.can_take_all(np.array(takes, dtype=np.int64))
+
+    def _place_moves(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
+        """:meth:`_place_many` of per-row lists."""
+        place = self._place
+        for seq, f, t in zip(seqs, zip(*frees, strict=True), zip(*takes, strict=True), strict=True):
+            if (any(f) or any(t)) and not place(seq, list(f), list(t)):
+                raise AssertionError("advance_many ran out of blocks it was told were free")
 
     def moves_many(self, seqs: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         """What :meth:`advance_many` would do: (lo0, hi0, lo1, hi1, frees, takes) per row
@@ -532,14 +689,21 @@ class HybridManager:
     def num_owned(self, seq_id: int) -> int:
         """The largest requested length that moves no block of the sequence."""
         self._require(seq_id)
+        return self._owned_of(self._lo[:, seq_id].tolist(), self._hi[:, seq_id].tolist())
+
+    def _owned_of(self, lo: list[int], hi: list[int]) -> int:
+        """:meth:`num_owned` of a sequence holding blocks ``[lo, hi)`` per row."""
         limit = self.max_seq_len + 1
-        for i, row in enumerate(self.rows):
-            if row.is_state:
+        for i, (state, b, code, w, c) in enumerate(self._rinfo):
+            if state:
                 continue
-            limit = min(limit, int(self._hi[i, seq_id]) * row.block_tokens)
-            at = row.next_free_at(int(self._lo[i, seq_id]))
-            if at is not None:
-                limit = min(limit, at)
+            at = hi[i] * b
+            if at < limit:
+                limit = at
+            if code:
+                at = (lo[i] + 1) * b + w - 1 if code == 1 else -(-((lo[i] + 1) * b) // c) * c
+                if at < limit:
+                    limit = at
         return limit
 
     def num_requested(self, seq_id: int) -> int:
@@ -573,30 +737,37 @@ class HybridManager:
     def split(self, seqs: np.ndarray, computed: np.ndarray) -> np.ndarray:
         """Bytes per row (and the pool, last) per category, for the live sequences
         ``seqs`` that have ``computed`` tokens stored now."""
-        out = np.zeros((len(self.rows) + 1, len(CATEGORIES)), dtype=np.int64)
+        return np.array(self._split_rows(seqs, computed), dtype=np.int64)
+
+    def _split_rows(self, seqs: np.ndarray, computed: np.ndarray) -> list[list[int]]:
+        """:meth:`split` as nested lists of ints (rows, then the pool's).
+
+        Out of the window, per row, is Σ max(0, s(f) − lo·B) over sequences; every
+        sequence's ``lo·B`` is at most its ``s(f)`` (blocks leave the window only once
+        wholly before it: :meth:`split_slow` asserts it), so that is Σ s(f) − Σ lo·B,
+        and Σ lo·B is the kept floor."""
         stored = int(computed.sum())
         nseq = len(self._live)
-        oows: dict[int, int] = {}
-        for i, row in enumerate(self.rows):
+        free = self._free_bytes()
+        starts: dict[int, int] = {}
+        out = []
+        for i, (state, b, tb, ppb, sb, ws, w, c, shape) in enumerate(self._split_info):
             held = self.held_blocks[i]
-            out[i, PADDING] = held * row.padding_per_block
-            if row.is_state:
-                out[i, TOKEN] = held * row.state_bytes
+            if state:
+                out.append([held * sb, 0, 0, held * ppb, 0, free[i]])
                 continue
-            b, tb = row.block_tokens, row.token_bytes
-            in_held = stored - self._floor[i]
+            floor, tail = self._floor[i], self._tail[i]
+            in_held = stored - floor
             oow = 0
-            if row.windowed and nseq:
-                oow = oows.get(self._shape[i], -1)
-                if oow < 0:
-                    start = row.window_start(computed)
-                    oow = oows[self._shape[i]] = int(np.maximum(0, start - self._lo[i, seqs] * b).sum())
-            out[i, TOKEN] = (in_held - oow) * tb
-            out[i, OUT_OF_WINDOW] = oow * tb
-            out[i, INTERNAL] = self._tail[i] * tb
-            out[i, RESERVATION] = (held * b - in_held - self._tail[i]) * tb
-        out[:, FREE] = self._free_bytes()
-        out[-1, PADDING] = self._fixed_padding()
+            if ws and nseq:
+                start = starts.get(shape)
+                if start is None:
+                    start = starts[shape] = int(np.maximum(computed - (w - 1), 0).sum()) if ws == 1 \
+                        else int((computed // c * c).sum())
+                oow = start - floor
+            out.append([(in_held - oow) * tb, (held * b - in_held - tail) * tb, tail * tb, held * ppb,
+                        oow * tb, free[i]])
+        out.append([0, 0, 0, self._fixed_padding(), 0, free[-1]])
         return out
 
     def split_slow(self, seqs: np.ndarray, computed: np.ndarray) -> np.ndarray:
@@ -651,9 +822,9 @@ class HybridManager:
 
     def _place_many(self, seqs: np.ndarray, frees: np.ndarray, takes: np.ndarray) -> None:
         """:meth:`_place` for each sequence in turn (``[rows, seqs]``), known to fit."""
-        moved = np.flatnonzero(frees.any(axis=0) | takes.any(axis=0))
-        for j in moved.tolist():
-            if not self._place(int(seqs[j]), frees[:, j].tolist(), takes[:, j].tolist()):
+        place = self._place
+        for seq, f, t in zip(seqs.tolist(), frees.T.tolist(), takes.T.tolist(), strict=True):
+            if (any(f) or any(t)) and not place(seq, f, t):
                 raise AssertionError("advance_many ran out of blocks it was told were free")
 
     def _free_bytes(self) -> list[int]:

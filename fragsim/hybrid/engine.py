@@ -207,14 +207,13 @@ class HybridEngine(Engine):
                     super()._grow_decoders()
                     return
                 rows = rows[np.argsort(b.req[rows], kind="stable")]
-                row_seqs, targets = b.seq[rows], b.offset[rows] + (self.g + 1)
-                moves = m.moves_many(row_seqs, targets)
-                if not m.can_take_all(moves[-1]):
+                targets = b.offset[rows] + (self.g + 1)
+                owned = m.grow_many(b.seq[rows], targets)
+                if owned is None:
                     super()._grow_decoders()
                     return
-                m.advance_many(row_seqs, targets, moves)
                 b.requested[rows] = targets
-                b.owned[rows] = m.owned_many(row_seqs)
+                b.owned[rows] = owned
 
     # ------------------------------------------------------------- stretches
 

@@ -45,6 +45,11 @@ class HybridKV:
         self.manager = manager
         self.capacity = int(manager.capacity)
         self.live = live
+        # The manager's split as lists when it keeps the base one (the totals are then
+        # summed in plain ints); a manager that adjusts the split is asked for its array.
+        self._split_rows = manager._split_rows if type(manager).split is HybridManager.split else None
+        self._allocate = manager._allocate if type(manager).allocate is HybridManager.allocate else None
+        self._extend_owned = manager._extend_owned if type(manager).extend is HybridManager.extend else None
         self.split_rec = SplitRecorder(manager.labels, kind_of_rows(manager.rows), manager.capacity,
                                        resolution_s)
 
@@ -62,7 +67,10 @@ class HybridKV:
     # ------------------------------------------------------- what sequences hold
 
     def admit(self, seq: int, need: int, final: int) -> int | None:
-        if self.manager.allocate(seq, need) is None:
+        if self._allocate is not None:
+            if not self._allocate(seq, need):
+                return None
+        elif self.manager.allocate(seq, need) is None:
             return None
         return self.manager.num_owned(seq)
 
@@ -70,6 +78,8 @@ class HybridKV:
         self.manager.free(seq)
 
     def grow(self, seq: int, delta: int, old: int, final: int) -> int | None:
+        if self._extend_owned is not None:
+            return self._extend_owned(seq, delta)
         if not self.manager.extend(seq, delta):
             return None
         return self.manager.num_owned(seq)
@@ -94,11 +104,27 @@ class HybridKV:
                waiting: int) -> None:
         """The split held for ``dt`` from ``now``, from the manager (``token_states``, the
         engine's count in tokens, is not used: the manager counts bytes)."""
-        split, m = self.current_split(), self.manager
-        free = int(split[:, FREE].sum())
-        rec.record(now, dt, int(split[:, TOKEN].sum()), m.capacity - free,
-                   int(split[:, HELD_ELSEWHERE].sum()), m.largest_allocatable(), running, waiting)
-        self.split_rec.record(now, dt, split, m.num_used_blocks())
+        m = self.manager
+        if self._split_rows is None:
+            split = self.current_split()
+            free = int(split[:, FREE].sum())
+            rec.record(now, dt, int(split[:, TOKEN].sum()), m.capacity - free,
+                       int(split[:, HELD_ELSEWHERE].sum()), m.largest_allocatable(), running, waiting)
+            self.split_rec.record(now, dt, split, m.num_used_blocks())
+            return
+        rows = self._split_rows(*self.live())
+        token = free = elsewhere = total = 0
+        least = rows[0][0]
+        for row in rows:
+            token += row[TOKEN]
+            free += row[FREE]
+            elsewhere += row[INTERNAL] + row[PADDING] + row[OUT_OF_WINDOW]
+            total += sum(row)
+            low = min(row)
+            if low < least:
+                least = low
+        rec.record(now, dt, token, m.capacity - free, elsewhere, m.largest_allocatable(), running, waiting)
+        self.split_rec.record(now, dt, np.array(rows, dtype=np.int64), m.num_used_blocks(), total, least)
 
     def record_steps(self, rec: Recorder, now: float, dts: np.ndarray, splits: np.ndarray,
                      largest: np.ndarray, used: np.ndarray, running: int, waiting: np.ndarray) -> None:

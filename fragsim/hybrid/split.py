@@ -35,18 +35,24 @@ class SplitRecorder:
         #: per kind, further summary keys (the engine's prefix-cache hit rates)
         self.extra_by_kind: dict[str, dict[str, float]] = {}
 
-    def record(self, t: float, dt: float, split: np.ndarray, used_blocks: int) -> None:
-        if int(split.sum()) != self.capacity or int(split.min()) < 0:
-            raise AssertionError(f"broken byte split at t={t}: sums to {int(split.sum()):,} of "
-                                 f"{self.capacity:,}, least part {int(split.min()):,}\n{split}")
+    def record(self, t: float, dt: float, split: np.ndarray, used_blocks: int,
+               total: int | None = None, least: int | None = None) -> None:
+        """One state held for ``dt`` from ``t`` (``total`` and ``least``: the split's sum and
+        smallest part, when the caller has them)."""
+        if total is None or least is None:
+            total, least = int(split.sum()), int(split.min())
+        if total != self.capacity or least < 0:
+            raise AssertionError(f"broken byte split at t={t}: sums to {total:,} of "
+                                 f"{self.capacity:,}, least part {least:,}\n{split}")
         if dt <= 0:
             return
-        self._integral += split * dt
+        weighted = split * dt
+        self._integral += weighted
         np.maximum(self._peak, split, out=self._peak)
         self._span += dt
         self._used_blocks += used_blocks * dt
         if self.resolution_s is not None:
-            self._bucket(int(t // self.resolution_s), split * dt, dt)
+            self._bucket(int(t // self.resolution_s), weighted, dt, fresh=True)
 
     def record_steps(self, t0: float, dts: np.ndarray, splits: np.ndarray,
                      used_blocks: np.ndarray) -> None:
@@ -73,12 +79,14 @@ class SplitRecorder:
             sel = index == b
             self._bucket(b, np.tensordot(dts[sel], splits[sel], axes=(0, 0)), float(dts[sel].sum()))
 
-    def _bucket(self, b: int, weighted: np.ndarray, span: float) -> None:
-        if b in self._buckets:
-            self._buckets[b] += weighted
+    def _bucket(self, b: int, weighted: np.ndarray, span: float, fresh: bool = False) -> None:
+        """Add to bucket ``b`` (``fresh``: ``weighted`` is the caller's to keep)."""
+        acc = self._buckets.get(b)
+        if acc is not None:
+            acc += weighted
             self._bucket_span[b] += span
         else:
-            self._buckets[b] = weighted.copy()
+            self._buckets[b] = weighted if fresh else weighted.copy()
             self._bucket_span[b] = span
 
     # -- output ----------------------------------------------------------------

@@ -106,6 +106,17 @@ class VllmHybridManager(HybridManager):
         if self._free_count < 0:
             raise AssertionError("advance_many ran out of blocks it was told were free")
 
+    def _fits_moves(self, takes: list[list[int]]) -> bool:
+        return sum(map(sum, takes)) <= self.num_free_blocks()
+
+    def _place_moves(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
+        if self.tracks_ids:
+            super()._place_moves(seqs, frees, takes)
+            return
+        self._free_count += sum(map(sum, frees)) - sum(map(sum, takes))
+        if self._free_count < 0:
+            raise AssertionError("advance_many ran out of blocks it was told were free")
+
     def _release(self, seq: int) -> None:
         if not self.tracks_ids:
             self._free_count += int((self._hi[:, seq] - self._lo[:, seq]).sum())

@@ -197,6 +197,12 @@ class VllmPrefixManager(VllmHybridManager):
     def _place_many(self, seqs: np.ndarray, frees: np.ndarray, takes: np.ndarray) -> None:
         HybridManager._place_many(self, seqs, frees, takes)
 
+    def _place_moves(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
+        HybridManager._place_moves(self, seqs, frees, takes)
+
+    def _fits_moves(self, takes: list[list[int]]) -> bool:
+        return HybridManager._fits_moves(self, takes)
+
     def _release(self, seq: int) -> None:
         for i, table in enumerate(self._tables.pop(seq, [])):
             self._free_blocks(i, table[::-1])
