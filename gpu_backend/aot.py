@@ -429,6 +429,8 @@ class CompilerProcess:
 
 
 def _serve(sources: Sequence[str]) -> int:
+    from triton.runtime.driver import driver
+
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else written to stdout (ptxas, prints) must not mix with replies
     by_name = {v.name: v for v in load_variants(sources)}
@@ -442,7 +444,6 @@ def _serve(sources: Sequence[str]) -> int:
             reply["result"] = dataclasses.asdict(result)
         except CompileError as exc:
             reply["error"] = str(exc)
-        from triton.runtime.driver import driver
         reply["driver_initialised"] = driver._default is not None or driver._active is not None
         replies.write(json.dumps(reply) + "\n")
     return 0
