@@ -98,9 +98,12 @@ class HybridDeviceBackend:
     # ------------------------------------------------------------ ownership
 
     def _sync(self, engine: Any, live: dict[int, Any]) -> None:
+        """Blocks given back first, then blocks taken: in one step a block may go from one
+        request (its window moved on) to another."""
         pool, m, dev = self.pool, self.manager, self.pool.device
         for req in [r for r in self._seqs if r not in live]:
             self._drop(req)
+        takes: list[tuple[int, int, dict[int, int], dict[int, int]]] = []
         for req, s in live.items():
             epoch = int(engine.preemptions[req])
             old = self._seqs.get(req)
@@ -123,12 +126,14 @@ class HybridDeviceBackend:
                         self._window_freed.update((r, b) for b in gone)
                     for b in gone:
                         del have[b]
-                new = [b for b in want if b not in have]
-                if new:
-                    self.window_reuses += sum((r, b) in self._window_freed for b in new)
-                    pool.take(r, torch.tensor(new, dtype=torch.int64, device=dev), req,
-                              torch.tensor([want[b] for b in new], dtype=torch.int64, device=dev))
-                    have.update((b, want[b]) for b in new)
+                if len(want) > len(have) or any(b not in have for b in want):
+                    takes.append((req, r, want, have))
+        for req, r, want, have in takes:
+            new = [b for b in want if b not in have]
+            self.window_reuses += sum((r, b) in self._window_freed for b in new)
+            pool.take(r, torch.tensor(new, dtype=torch.int64, device=dev), req,
+                      torch.tensor([want[b] for b in new], dtype=torch.int64, device=dev))
+            have.update((b, want[b]) for b in new)
 
     def _drop(self, req: int) -> None:
         seq = self._seqs.pop(req)
@@ -235,7 +240,6 @@ class HybridDeviceBackend:
         """Attention of the next token of each ``(req, stored, window start)`` over the
         stored positions it reads, through the row's first layer, against the reference."""
         from gpu_backend import attention
-
         from gpu_backend.reference import attend_one
 
         pool, row, dev = self.pool, self.pool.layout.rows[r], self.pool.device
@@ -250,7 +254,8 @@ class HybridDeviceBackend:
         k, v = pool.kv(r, 0)
         tol = 2e-2 if pool.dtype == torch.float16 else 1e-4
         if row.kind == "mla":
-            out, want = attention.mla_check(k, tables, lens, reqs, self._step, row, layer, pool.dtype)
+            out, want = attention.mla_check(k, tables, lens, reqs, self._step, row, layer,
+                                            self.num_q_heads_per_kv, row.rope_dim, pool.dtype)
         else:
             query = query_values(reqs, self._step, row.kv_heads * self.num_q_heads_per_kv, row.head_dim,
                                  pool.dtype)

@@ -139,6 +139,7 @@ class RowLayout:
     chunk: int | None = None
     kv_heads: int = 0
     head_dim: int = 0               # attention: head_dim; mla: kv_lora_rank + rope_dim
+    rope_dim: int = 0               # mla: the rotary part of the latent
 
     @property
     def is_state(self) -> bool:
@@ -258,7 +259,8 @@ def _row(row: Any, layers: list[tuple[int, LayerSpec]], num_ids: int, stride: in
                      block_stride=stride, layer_base=bases, layer_ids=tuple(i for i, _ in layers),
                      token_bytes=row.token_bytes, state_bytes=row.state_bytes,
                      padding_per_block=row.padding_per_block, window=row.window, chunk=row.chunk,
-                     kv_heads=first.num_kv_heads if first.kind != "mla" else 1, head_dim=width)
+                     kv_heads=first.num_kv_heads if first.kind != "mla" else 1, head_dim=width,
+                     rope_dim=first.qk_rope_head_dim)
 
 
 # ------------------------------------------------------------------ values

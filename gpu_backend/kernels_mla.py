@@ -103,7 +103,7 @@ def _latent_scores(q_lat, q_pe, c, pe, USE_DOT: tl.constexpr, DOT_PRECISION: tl.
 @triton.jit
 def _mla_decode_kernel(
     q_lat_ptr, q_pe_ptr, c_kv_ptr, k_pe_ptr, out_ptr, part_ptr, m_ptr, l_ptr,
-    block_tables_ptr, seq_lens_ptr, qk_scale, num_heads, stride_bt,
+    block_tables_ptr, seq_lens_ptr, qk_scale, num_heads, stride_bt, stride_cb, stride_pb,
     stride_qlb, stride_qlh, stride_qpb, stride_qph, stride_cs, stride_ps, stride_ob, stride_oh,
     KV_LORA_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -113,7 +113,8 @@ def _mla_decode_kernel(
     """Grid (batch, cdiv(num_heads, BLOCK_H), NUM_SPLITS); writes o_lat (or its partials).
 
     Per tile: c [BLOCK_N, BLOCK_R] and pe [BLOCK_N, BLOCK_P] are loaded once and serve
-    as K (with q_lat, q_pe) and as V (c) for all BLOCK_H heads.
+    as K (with q_lat, q_pe) and as V (c) for all BLOCK_H heads. Position ``p`` of block
+    ``b`` is at ``b * stride_cb + (p % BLOCK_SIZE) * stride_cs`` (likewise for pe).
     """
     seq = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -140,10 +141,10 @@ def _mla_decode_kernel(
     for tile in range(start, end, BLOCK_N):
         pos = tile + offs_n
         valid = pos < end
-        slots = block_ids * BLOCK_SIZE + pos % BLOCK_SIZE
-        c = tl.load(c_kv_ptr + slots[:, None] * stride_cs + offs_r[None, :],
+        within = pos % BLOCK_SIZE
+        c = tl.load(c_kv_ptr + (block_ids * stride_cb + within * stride_cs)[:, None] + offs_r[None, :],
                     mask=valid[:, None] & r_mask[None, :], other=0.0)
-        pe = tl.load(k_pe_ptr + slots[:, None] * stride_ps + offs_p[None, :],
+        pe = tl.load(k_pe_ptr + (block_ids * stride_pb + within * stride_ps)[:, None] + offs_p[None, :],
                      mask=valid[:, None] & p_mask[None, :], other=0.0)
         block_ids = _block_ids(table_ptr, tile + BLOCK_N, pos + BLOCK_N, end, BLOCK_SIZE,
                                TILE_IN_BLOCK)
@@ -190,6 +191,14 @@ def mla_decode_attention(
     ``num_warps`` (default 8), and ``num_splits``, ``validate``
     as in the paged kernel.
     """
+    block_strides = (block_size * c_kv.stride(0), block_size * k_pe.stride(0))
+    if c_kv.dim() == 3:
+        # [num_blocks, block_size, width] views with any block stride (a hybrid pool's pages)
+        if k_pe.dim() != 3 or c_kv.shape[:2] != k_pe.shape[:2] or c_kv.shape[1] != block_size:
+            raise ValueError(f"3-d c_kv and k_pe must be [num_blocks, block_size={block_size}, "
+                             f"width], got {tuple(c_kv.shape)} and {tuple(k_pe.shape)}")
+        block_strides = (c_kv.stride(0), k_pe.stride(0))
+        c_kv, k_pe = _per_slot(c_kv), _per_slot(k_pe)
     batch, num_heads, v_head_dim = _check_mla(q_nope, q_pe, c_kv, k_pe, w_uk, w_uv, out,
                                               seq_lens)
     _check_block_table_args(block_tables, block_size, batch, q_nope.device)
@@ -209,7 +218,7 @@ def mla_decode_attention(
     grid = (batch, triton.cdiv(num_heads, plan.meta["BLOCK_H"]), plan.num_splits)
     _mla_decode_kernel[grid](
         q_lat, q_pe, c_kv, k_pe, o_lat, part, m, l_s, block_tables, seq_lens,
-        plan.qk_scale, num_heads, block_tables.stride(0),
+        plan.qk_scale, num_heads, block_tables.stride(0), *block_strides,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         c_kv.stride(0), k_pe.stride(0), o_lat.stride(0), o_lat.stride(1),
         **_mla_meta(plan.meta, block_size), num_warps=plan.num_warps, num_stages=2,
@@ -217,6 +226,14 @@ def mla_decode_attention(
     _combine_splits(part, m, l_s, o_lat, plan.num_splits)
     out.copy_(torch.bmm(o_lat.transpose(0, 1), w_uv).transpose(0, 1))
     return out
+
+
+def _per_slot(cache: torch.Tensor) -> torch.Tensor:
+    """A ``[num_blocks, block_size, width]`` view as ``[num_blocks * block_size, width]`` rows
+    for the checks; only its per-slot stride and shape are read (the kernel gets the
+    block stride itself), so the rows need not be evenly spaced across blocks."""
+    num_blocks, block_size, width = cache.shape
+    return cache.as_strided((num_blocks * block_size, width), (cache.stride(1), cache.stride(2)))
 
 
 @dataclass(frozen=True)

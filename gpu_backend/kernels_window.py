@@ -102,16 +102,20 @@ def _window_block_ids(table_ptr, tile, pos, lo, end, BLOCK_SIZE: tl.constexpr,
 @triton.jit
 def _window_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_ptr, m_ptr, l_ptr, block_tables_ptr, seq_lens_ptr,
-    qk_scale, num_q_heads, stride_bt, window, chunk,
+    qk_scale, num_q_heads, stride_bt, stride_kb, stride_vb, window, chunk,
     stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_IN_BLOCK: tl.constexpr,
-    WINDOW_KIND: tl.constexpr,
+    WINDOW_KIND: tl.constexpr, BLOCK_STRIDED: tl.constexpr,
 ):
     """Grid (batch, num_kv_heads, NUM_SPLITS); WINDOW_KIND 0 full, 1 sliding, 2 chunked.
 
-    ``window`` (sliding) and ``chunk`` (chunked) are read only by their kind.
+    ``window`` (sliding) and ``chunk`` (chunked) are read only by their kind. With
+    BLOCK_STRIDED, position ``p`` of block ``b`` is at ``b * stride_kb + (p % BLOCK_SIZE)
+    * stride_ks`` (a hybrid pool's pages, ``stride_kb`` the page stride); without, at slot
+    ``b * BLOCK_SIZE + p % BLOCK_SIZE`` of a flat cache (fewer live 64-bit offsets: the
+    fp32 d128 tiles spill on sm_90 with the strided form).
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -137,11 +141,18 @@ def _window_decode_kernel(
     for tile in range(start, end, BLOCK_N):
         pos = tile + offs_n
         valid = (pos >= lo) & (pos < end)
-        slots = block_ids * BLOCK_SIZE + pos % BLOCK_SIZE
+        if BLOCK_STRIDED:
+            within = pos % BLOCK_SIZE
+            k_rows = block_ids * stride_kb + within * stride_ks
+            v_rows = block_ids * stride_vb + within * stride_vs
+        else:
+            slots = block_ids * BLOCK_SIZE + pos % BLOCK_SIZE
+            k_rows = slots * stride_ks
+            v_rows = slots * stride_vs
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+        k = tl.load(k_ptr + k_rows[:, None] + kv_head * stride_kh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+        v = tl.load(v_ptr + v_rows[:, None] + kv_head * stride_vh + offs_d[None, :],
                     mask=kv_mask, other=0.0)
         # Prefetch the next tile's ids (see _paged_decode_kernel); it is past lo already.
         block_ids = _window_block_ids(table_ptr, tile + BLOCK_N, pos + BLOCK_N, lo, end,
@@ -176,7 +187,9 @@ def sliding_window_decode_attention(
 
     Shapes and knobs are those of :func:`gpu_backend.kernels.paged_decode_attention`;
     block-table entries of blocks wholly before the window may hold anything (-1, or a
-    block since given to another sequence).
+    block since given to another sequence). The caches may also be ``[num_blocks,
+    block_size, kv_heads, head_dim]`` views with any block stride (the pages of a
+    hybrid pool, :meth:`gpu_backend.hybrid_pool.HybridPool.kv`).
     """
     _check_span("window", window)
     return windowed_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, block_size,
@@ -238,12 +251,13 @@ def windowed_decode_attention(
                          f"got {kind!r}")
     if kind != FULL:
         _check_span("window" if kind == SLIDING else "chunk", span)
-    batch, num_q_heads, num_kv_heads = _check_qkv(q, k_cache, v_cache, out, seq_lens)
+    k_flat, v_flat, num_slots, block_strides = _paged_caches(k_cache, v_cache, block_size)
+    batch, num_q_heads, num_kv_heads = _check_qkv(q, k_flat, v_flat, out, seq_lens)
     _check_block_table_args(block_tables, block_size, batch, q.device)
     max_len = block_tables.shape[1] * block_size
     if validate and batch > 0:
         max_len = _check_window_block_tables(block_tables, seq_lens, block_size,
-                                            k_cache.shape[0], kind, span)
+                                            num_slots, kind, span)
     plan = _window_plan(q, num_kv_heads, scale, _attended_len(kind, span, max_len), num_splits,
                         block_n, use_dot, num_warps)
     out = torch.empty_like(q) if out is None else out
@@ -255,12 +269,42 @@ def windowed_decode_attention(
     chunk = span if kind == CHUNKED else 1
     _window_decode_kernel[(batch, num_kv_heads, plan.num_splits)](
         q, k_cache, v_cache, out, part, m, l_s, block_tables, seq_lens,
-        plan.qk_scale, num_q_heads, block_tables.stride(0), window, chunk,
-        *_strides(q, k_cache, v_cache, out),
-        **_window_meta(plan.meta, block_size, kind), num_warps=plan.num_warps, num_stages=2,
+        plan.qk_scale, num_q_heads, block_tables.stride(0), *block_strides, window, chunk,
+        *_strides_4d(q, k_cache, v_cache, out),
+        **_window_meta(plan.meta, block_size, kind, k_cache.dim() == 4), num_warps=plan.num_warps,
+        num_stages=2,
     )
     _combine_splits(part, m, l_s, out, plan.num_splits)
     return out
+
+
+def _paged_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, int, tuple[int, int]]:
+    """A cache as ``[num_slots, kv_heads, head_dim]`` (block ``b`` holds slots ``b * block_size
+    ..``) or as ``[num_blocks, block_size, kv_heads, head_dim]`` with any block stride
+    (a page of a hybrid pool, K and V side by side). Returns per-slot views for the
+    shape checks, the number of slots, and the block strides of K and V."""
+    if k_cache.dim() != 4:
+        return k_cache, v_cache, k_cache.shape[0], (block_size * k_cache.stride(0),
+                                                    block_size * v_cache.stride(0))
+    if v_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} differs from k_cache shape "
+                         f"{tuple(k_cache.shape)}")
+    if k_cache.shape[1] != block_size:
+        raise ValueError(f"a 4-d k_cache must be [num_blocks, block_size={block_size}, kv_heads, "
+                         f"head_dim], got {tuple(k_cache.shape)}")
+    # Slot 0 of every block: the per-position strides and shapes the checks read.
+    return (k_cache[:, 0], v_cache[:, 0], k_cache.shape[0] * block_size,
+            (k_cache.stride(0), v_cache.stride(0)))
+
+
+def _strides_4d(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                out: torch.Tensor) -> tuple[int, ...]:
+    """The per-slot strides of a 3-d or 4-d cache, as :func:`_strides` orders them."""
+    if k_cache.dim() != 4:
+        return _strides(q, k_cache, v_cache, out)
+    return (q.stride(0), q.stride(1), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1))
 
 
 def _window_plan(q: torch.Tensor, num_kv_heads: int, scale: float | None, max_len: int | None,
@@ -275,10 +319,12 @@ def _window_plan(q: torch.Tensor, num_kv_heads: int, scale: float | None, max_le
     return _plan(q, num_kv_heads, scale, max_len, num_splits, block_n, use_dot, num_warps)
 
 
-def _window_meta(plan_meta: dict, block_size: int, kind: int) -> dict:
-    """The kernel's constexprs: the plan's, plus the paging and window ones."""
+def _window_meta(plan_meta: dict, block_size: int, kind: int, strided: bool = False) -> dict:
+    """The kernel's constexprs: the plan's, plus the paging and window ones (``strided``:
+    the caches are 4-d page views)."""
     return {**plan_meta, "BLOCK_SIZE": block_size,
-            "TILE_IN_BLOCK": block_size % plan_meta["BLOCK_N"] == 0, "WINDOW_KIND": kind}
+            "TILE_IN_BLOCK": block_size % plan_meta["BLOCK_N"] == 0, "WINDOW_KIND": kind,
+            "BLOCK_STRIDED": strided}
 
 
 def _attended_len(kind: int, span: int, max_len: int | None) -> int | None:
@@ -388,7 +434,8 @@ def _aot_combine_variant(dtype: torch.dtype, head_dim: int, num_splits: int) -> 
 def aot_variants() -> list[dict[str, Any]]:
     """The windowed kernel's variants the validator and benchmarks launch, for compiling
     ahead of time: fp16/fp32, head_dim 64/128, GQA group 1/8, block_size 16, 1 and 4
-    splits, sliding and chunked (plus the split merges).
+    splits, sliding and chunked over flat caches; every kind over a hybrid pool's pages
+    in the shapes the CUDA validator uses (``-pages``); plus the split merges.
 
     Each entry: ``name``, ``fn`` (the ``@triton.jit`` function), ``signature`` (a Triton
     type for every argument in order, ``constexpr`` for the constexprs), ``constexprs``,
@@ -400,18 +447,23 @@ def aot_variants() -> list[dict[str, Any]]:
     block_size, num_warps = 16, 4
     variants: list[dict[str, Any]] = []
     combines: dict[str, dict[str, Any]] = {}
-    for kind, dtype, head_dim, group, num_splits in itertools.product(
-            (SLIDING, CHUNKED), (torch.float16, torch.float32), (64, 128), (1, 8), (1, 4)):
+    flat = itertools.product((SLIDING, CHUNKED), (torch.float16, torch.float32), (64, 128), (1, 8),
+                             (1, 4), (False,))
+    # The hybrid validator on CUDA (benchmarks/gpu_check.py) reads the pool's pages: every
+    # kind, fp16, gpt-oss heads (group 8 × 64) and Nemotron-H heads (group 4 × 128).
+    pages = [(kind, torch.float16, d, g, s, True) for kind in (FULL, SLIDING, CHUNKED)
+             for d, g in ((64, 8), (128, 4)) for s in (1, 4)]
+    for kind, dtype, head_dim, group, num_splits, strided in [*flat, *pages]:
         q = torch.empty(1, group, head_dim, dtype=dtype, device="meta")
         plan = _window_plan(q, 1, None, None, num_splits, None, None, num_warps)
-        constexprs = _window_meta(plan.meta, block_size, kind)
+        constexprs = _window_meta(plan.meta, block_size, kind, strided)
         elem = _TRITON_DTYPES[dtype]
         part = "*fp32" if num_splits > 1 else elem
         pointers = {"q_ptr": elem, "k_ptr": elem, "v_ptr": elem, "out_ptr": elem,
                     "part_ptr": part, "m_ptr": part, "l_ptr": part,
                     "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
         name = (f"{_KIND_NAMES[kind]}/{_DTYPE_NAMES[dtype]}/g{group}/d{head_dim}/bs{block_size}"
-                f"/bn{constexprs['BLOCK_N']}/s{num_splits}")
+                f"/bn{constexprs['BLOCK_N']}/s{num_splits}{'-pages' if strided else ''}")
         signature = _aot_signature(_window_decode_kernel, constexprs, pointers)
         variants.append({"name": name, "fn": _window_decode_kernel, "signature": signature,
                          "constexprs": constexprs, "num_warps": plan.num_warps, "num_stages": 2,

@@ -30,7 +30,7 @@ def _validate(model: str, allocator: str, pool_bytes: int, *, requests: int = 40
 
 # gpt-oss: sliding 128 + full; Nemotron-H: Mamba-2 + full; Gemma 3: five sliding groups
 # and a full one; Llama 4: chunked local + full (vLLM keeps its hybrid manager for
-# chunks only when asked); Qwen3-Next: Gated DeltaNet + full.
+# chunks only when asked); Qwen3-Next: Gated DeltaNet + full; DeepSeek V3: MLA latents.
 CASES = [
     ("gpt-oss-20b", "vllm-hybrid", 60_000, {}),
     ("gpt-oss-20b", "jenga", 60_000, {}),
@@ -44,6 +44,7 @@ CASES = [
     ("llama-4-scout", "vllm-hybrid", 60_000, {"hybrid_chunked": True}),
     ("llama-4-scout", "jenga", 60_000, {}),
     ("qwen3-next-80b-a3b", "jenga", 200_000, {}),
+    ("deepseek-v3", "vllm-hybrid", 60_000, {}),
 ]
 
 

@@ -150,7 +150,8 @@ MLA_ERRORS = [
     ("q_pe", lambda a: a["q_pe"].float(), "q_pe.dtype"),
     ("q_pe", lambda a: a["q_pe"].transpose(1, 2).contiguous().transpose(1, 2),
      "q_pe must be contiguous in its last"),
-    ("c_kv", lambda a: a["c_kv"][None], r"c_kv must be \[num_slots, kv_lora_rank\]"),
+    ("c_kv", lambda a: a["c_kv"][None, None], r"c_kv must be \[num_slots, kv_lora_rank\]"),
+    ("c_kv", lambda a: a["c_kv"][None], r"3-d c_kv and k_pe must be \[num_blocks"),
     ("c_kv", lambda a: a["c_kv"].t().contiguous().t(), "c_kv must be contiguous in its last"),
     ("k_pe", lambda a: a["k_pe"][:4], r"k_pe must be \[num_slots=20"),
     ("w_uk", lambda a: a["w_uk"][:, :, :8], r"w_uk must be \[num_heads, qk_nope_dim, kv_lora"),
@@ -205,3 +206,18 @@ def test_aot_variants_match_the_plan():
         assert list(sig) == v["fn"].arg_names
         assert {n for n, t in sig.items() if t == "constexpr"} == set(cx)
     assert lite["signature"]["c_kv_ptr"] == "*fp16" and lite["signature"]["qk_scale"] == "fp32"
+
+
+def test_page_strided_latent_matches_flat():
+    """The latent as pages of a hybrid pool: ``[num_blocks, block_size, width]`` views with
+    poisoned padding between blocks give the flat cache's answer."""
+    args = make_case([5, 13, 20], 4, 2, 8, 32, 16, 8, torch.float32)
+    joint = torch.cat([args["c_kv"], args["k_pe"]], dim=1)          # [slots, 48]
+    num_blocks = joint.shape[0] // 4
+    raw = torch.full((num_blocks * (4 * 48 + 16),), float("nan"), device=DEVICE)
+    pages = raw.as_strided((num_blocks, 4, 48), (4 * 48 + 16, 48, 1))
+    pages.copy_(joint.view(num_blocks, 4, 48))
+    got = mla_decode_attention(**{**args, "c_kv": pages[..., :32], "k_pe": pages[..., 32:]}, block_n=4)
+    assert_close(got, mla_decode_attention_ref(**args))
+    with pytest.raises(ValueError, match="3-d c_kv and k_pe"):
+        mla_decode_attention(**{**args, "c_kv": pages[..., :32], "k_pe": args["k_pe"]})

@@ -271,8 +271,11 @@ def test_aot_variants_cover_and_match_the_plan():
     names = [v["name"] for v in variants]
     assert len(set(names)) == len(names)
     window = [v for v in variants if not v["name"].startswith("combine/")]
-    assert len(window) == 32 and {n.split("/")[0] for n in names} == {"sliding", "chunked",
-                                                                      "combine"}
+    assert len(window) == 32 + 12 and {n.split("/")[0] for n in names} == {
+        "sliding", "chunked", "full", "combine"}
+    pages = [v for v in window if v["name"].endswith("-pages")]
+    assert len(pages) == 12 and all(v["constexprs"]["BLOCK_STRIDED"] for v in pages)
+    assert not any(v["constexprs"]["BLOCK_STRIDED"] for v in window if v not in pages)
     for v in variants:
         fn, sig, cx = v["fn"], v["signature"], v["constexprs"]
         assert list(sig) == fn.arg_names
@@ -285,9 +288,38 @@ def test_aot_variants_cover_and_match_the_plan():
     q = torch.empty(1, 8, 128, dtype=torch.float16, device="meta")
     assert v["constexprs"] == {**_plan(q, 1, None, None, 4, None, None, 4).meta,
                                "BLOCK_SIZE": 16, "TILE_IN_BLOCK": False,
-                               "WINDOW_KIND": CHUNKED}
+                               "WINDOW_KIND": CHUNKED, "BLOCK_STRIDED": False}
     assert v["signature"]["q_ptr"] == "*fp16" and v["signature"]["part_ptr"] == "*fp32"
     assert v["constexprs"]["USE_DOT"] and v["num_warps"] == 4
     # fp32 tl.dot at head_dim 128 takes 32-token tiles (64 spill on sm_80).
     assert "sliding/fp32/g8/d128/bs16/bn32/s1" in names
     assert "sliding/fp32/g1/d128/bs16/bn64/s1" in names
+
+
+def paged_view(flat: torch.Tensor, block_size: int, page_pad: int, fill: float) -> torch.Tensor:
+    """``flat [num_slots, heads, dim]`` copied into pages with ``page_pad`` poisoned
+    elements after each block: a ``[num_blocks, block_size, heads, dim]`` view whose
+    block stride is not ``block_size`` slots (a hybrid pool's page)."""
+    num_slots, heads, dim = flat.shape
+    num_blocks, per_block = num_slots // block_size, block_size * heads * dim
+    raw = torch.full((num_blocks * (per_block + page_pad),), fill, dtype=flat.dtype, device=flat.device)
+    view = raw.as_strided((num_blocks, block_size, heads, dim),
+                          (per_block + page_pad, heads * dim, dim, 1))
+    view.copy_(flat.view(num_blocks, block_size, heads, dim))
+    return view
+
+
+@pytest.mark.parametrize("kind", ["sliding", "chunked", "full"])
+def test_page_strided_caches_match_flat(kind):
+    """K and V as pages of a hybrid pool (a block stride, poisoned padding between
+    blocks) give the flat cache's answer."""
+    q, k, v, table, lens = make_case([1, 9, 23, 31], 4, 4, 2, 24, torch.float32, seed=3)
+    span, code = 6, {"sliding": SLIDING, "chunked": CHUNKED, "full": FULL}[kind]
+    k4, v4 = paged_view(k, 4, 40, float("nan")), paged_view(v, 4, 8, float("inf"))
+    want = windowed_decode_attention(q, k, v, table, lens, 4, code, span, block_n=4, use_dot=False)
+    got = windowed_decode_attention(q, k4, v4, table, lens, 4, code, span, block_n=4, use_dot=False,
+                                    num_splits=2)
+    assert_close(got, want)
+    assert torch.isfinite(got).all()
+    with pytest.raises(ValueError, match="block_size=8"):
+        windowed_decode_attention(q, k4, v4, table, lens, 8, code, span)
