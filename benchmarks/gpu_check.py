@@ -12,6 +12,13 @@
    ``OUT_DIR/kernels.json`` feeds the step-cost fit's attention term:
    ``fragsim calibrate STEPS --model M --gpu G --attention-times OUT_DIR/kernels.json``.
 3. The PyTorch caching-allocator model against PyTorch's real allocator.
+4. Hybrid models on real memory: ``fragsim validate --device cuda`` for every hybrid
+   KV manager on a gpt-oss-shaped miniature (sliding 128 + full, 8 KV heads × 64) and
+   a Mamba-hybrid-shaped one (Nemotron-H: Mamba-2 + full), each pool laid out as its
+   manager lays it; the byte split per row and category must agree at every step.
+5. The windowed Triton kernels (sliding window, chunked local, MLA) in GB/s against
+   the copy bandwidth, reading a pool laid out as vLLM's hybrid manager lays it
+   (K and V of a block side by side in one page: a block stride, not a slot stride).
 
 Each part has its own time budget and its own entry in the report; a part that
 fails or runs out of time is recorded as such and the others still run.
@@ -100,6 +107,71 @@ def _plot_kernels(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+HYBRID_CASES = [("gpt-oss-20b", {"num_kv_heads": 8, "head_dim": 64, "q_per_kv": 8}, 8_000_000, {}),
+                ("nemotron-h-8b", {"num_kv_heads": 8, "head_dim": 128, "q_per_kv": 4}, 8_000_000, {})]
+HYBRID_MANAGERS = ["vllm-hybrid", "jenga", "static-partition", "paged-uniform"]
+
+
+def part_hybrid_validate(out: Path, budget_s: float, num_requests: int) -> dict[str, Any]:
+    from fragsim.simulate import RunSpec
+    from gpu_backend.validate import HybridShape, run_hybrid_validation
+
+    rows, deadline = [], time.monotonic() + budget_s
+    for model, shape, pool_bytes, extra in HYBRID_CASES:
+        spec = RunSpec(trace="azure-conv", model=model, gpu="h100-80gb", num_requests=num_requests,
+                       max_seq_len=4096, rate=20.0, **extra)
+        for name in HYBRID_MANAGERS:
+            if time.monotonic() > deadline:
+                rows.append({"model": model, "allocator": name, "skipped": "time budget spent"})
+                continue
+            try:
+                report = run_hybrid_validation(spec, name, device="cuda", shape=HybridShape(**shape),
+                                               scale=0.25, attention_every=2, pool_bytes=pool_bytes)
+            except ValueError as exc:   # a pool too small for the manager's layout
+                rows.append({"model": model, "allocator": name, "skipped": str(exc)})
+                continue
+            rows.append({"model": model, **report.to_dict()})
+            print(f"validate {model} {name}: {'agree' if report.ok else 'MISMATCH'} "
+                  f"({report.steps_checked} steps, {report.wall_time_s:.1f} s)", flush=True)
+    (out / "hybrid_validate.json").write_text(json.dumps(rows, indent=1, default=str))
+    ok = all(r.get("ok") for r in rows if "skipped" not in r)
+    return {"ok": ok, "runs": rows}
+
+
+def part_window_kernels(out: Path) -> dict[str, Any]:
+    from gpu_backend.window_bench import bench_window_attention, format_table
+
+    rows = bench_window_attention("cuda")
+    print(format_table(rows), flush=True)
+    (out / "window_kernels.json").write_text(json.dumps(rows, indent=1, default=str))
+    _plot_window(rows, out / "window_kernels.png")
+    return {"rows": rows}
+
+
+def _plot_window(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = list(dict.fromkeys(f"{r['kind']} {r['span'] or ''}".strip() for r in rows))
+    cases = sorted({(r["batch"], r["context"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    width = 0.8 / max(1, len(kinds))
+    for i, kind in enumerate(kinds):
+        vals = [next((r["gbps"] for r in rows if f"{r['kind']} {r['span'] or ''}".strip() == kind
+                      and (r["batch"], r["context"]) == c), 0) for c in cases]
+        ax.bar([j + (i - len(kinds) / 2 + 0.5) * width for j in range(len(cases))], vals, width, label=kind)
+    if rows:
+        ax.axhline(rows[0]["copy_gbps"], color="black", linestyle="--", label="copy bandwidth")
+    ax.set_xticks(range(len(cases)), [f"b{b}\nctx{c}" for b, c in cases], fontsize=8)
+    ax.set_ylabel("GB/s")
+    ax.set_title("Windowed and MLA decode attention over a hybrid pool's pages, fp16")
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def part_native_caching(out: Path) -> dict[str, Any]:
     from gpu_backend import native_caching
 
@@ -113,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="folder for report.json and the figures")
     parser.add_argument("--num-requests", type=int, default=300)
-    parser.add_argument("--validate-budget", type=float, default=240.0, help="seconds for part 1")
+    parser.add_argument("--validate-budget", type=float, default=180.0, help="seconds for part 1")
+    parser.add_argument("--hybrid-budget", type=float, default=90.0, help="seconds for part 4")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -126,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     parts = [("native_caching", lambda: part_native_caching(out)),
              ("kernels", lambda: part_kernels(out)),
-             ("validate", lambda: part_validate(out, args.validate_budget, args.num_requests))]
+             ("window_kernels", lambda: part_window_kernels(out)),
+             ("validate", lambda: part_validate(out, args.validate_budget, args.num_requests)),
+             ("hybrid_validate", lambda: part_hybrid_validate(out, args.hybrid_budget, 120))]
     for name, fn in parts:
         t0 = time.perf_counter()
         try:
