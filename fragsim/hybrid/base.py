@@ -222,6 +222,11 @@ class HybridManager:
                              (1 if r.kind == "sliding" else 2) if r.windowed else 0, r.window or 1,
                              r.chunk or 1, self._shape[i]) for i, r in enumerate(rows)]
         self._reps = np.array([rep for rep, *_ in self._attn_shapes], dtype=np.int64)[:, None]
+        # Each row's attention shape index (into _attn_shapes), −1 for a state row.
+        self._row_shape = [-1] * len(rows)
+        for si, (_, members, *_) in enumerate(self._attn_shapes):
+            for i in members:
+                self._row_shape[i] = si
 
     # ---------------------------------------------------------------- lengths
 
@@ -546,83 +551,231 @@ class HybridManager:
         requested length (−1: no block moved).
         """
         R, n = len(self.rows), len(seqs)
-        steps = np.arange(k, dtype=np.int64)[:, None]
-        f = filled0[None, :] + steps                               # [k, n] computed at step j
-        lo0, hi0 = self._lo[:, seqs], self._hi[:, seqs]            # [R, n]
-        lo, hi = self._blocks_at(lo0[:, None, :], hi0[:, None, :], f + 1)   # [R, k, n]
-        lo_prev = np.concatenate((lo0[:, None, :], lo[:, :-1]), axis=1)
-        hi_prev = np.concatenate((hi0[:, None, :], hi[:, :-1]), axis=1)
-        frees = np.maximum(0, np.minimum(lo, hi_prev) - lo_prev)   # [R, k, n]
-        takes = np.maximum(0, hi - np.maximum(hi_prev, lo))
-        step_takes = takes.sum(axis=2).T                           # [k, R]
-        step_frees = frees.sum(axis=2).T
-        limit = self._stretch_fits(step_takes, step_frees, takes)
-        if head_tokens is not None and step_frees.any():
-            zero = np.zeros(R, dtype=np.int64)
+        shapes = self._attn_shapes
+        S = len(shapes)
+        params = [(b, code, w, c) for _, _, b, code, w, c in shapes]
+        cap = self.max_seq_len + 1
+        # Each sequence's first move: the first step whose target passes what it owns.
+        los, his = self._lo[self._reps, seqs], self._hi[self._reps, seqs]    # [S, n]
+        owned = np.full(n, cap, dtype=np.int64)
+        for (b, code, w, c), lo0, hi0 in zip(params, los, his, strict=True):
+            np.minimum(owned, hi0 * b, out=owned)
+            if code == 1:
+                np.minimum(owned, (lo0 + 1) * b + (w - 1), out=owned)
+            elif code == 2:
+                np.minimum(owned, -(-((lo0 + 1) * b) // c) * c, out=owned)
+        j0 = np.maximum(owned - filled0, 0)   # a prompt just computed may be past its window
+        movers = np.flatnonzero(j0 < k)
+        # The moves, sequence by sequence (plain ints: a stretch moves a few sequences a
+        # few times): per step, the blocks each row takes and frees and the change of the
+        # kept sums per shape; per move, the sequence's blocks after it.
+        step_takes = np.zeros((k, R), dtype=np.int64)
+        step_frees = np.zeros((k, R), dtype=np.int64)
+        d_sums = np.zeros((3, k, S), dtype=np.int64)     # held, floor (blocks), tail
+        moves: list[tuple[int, int, int, list[int], list[int], list[int], list[int]]] = []
+        finals = self._finals
+        m_cols = movers.tolist()
+        m_f0 = filled0[movers].tolist()
+        m_j0 = j0[movers].tolist()
+        m_seq = seqs[movers].tolist()
+        m_fin = finals[seqs[movers]].tolist() if finals is not None and (not m_seq or len(finals) > max(m_seq)) \
+            else [self._final(x) for x in m_seq]
+        m_lo, m_hi = los[:, movers].T.tolist(), his[:, movers].T.tolist()
+        tail_of = self._tail_of
+        shape_rows = [rows for _, rows, *_ in shapes]
+        st_rows = step_takes.tolist()
+        sf_rows = step_frees.tolist()
+        ds = d_sums.tolist()
+        for col, f0, j, final, lo, hi in zip(m_cols, m_f0, m_j0, m_fin, m_lo, m_hi, strict=True):
+            while j < k:
+                t = f0 + j + 1
+                limit = cap
+                lo1s, hi1s, frs, tks = [], [], [], []
+                for si, (b, code, w, c) in enumerate(params):
+                    lo0, hi0 = lo[si], hi[si]
+                    hi1 = (t + b - 1) // b
+                    if hi1 < hi0:
+                        hi1 = hi0
+                    end = hi1 * b
+                    if end < limit:
+                        limit = end
+                    lo1 = lo0
+                    if code:
+                        if code == 1:
+                            x = (t - w) // b if t > w else 0
+                            if x > lo0:
+                                lo1 = x
+                            x = (lo1 + 1) * b + w - 1
+                        else:
+                            x = (t - 1) // c * c // b
+                            if x > lo0:
+                                lo1 = x
+                            x = -(-((lo1 + 1) * b) // c) * c
+                        if x < limit:
+                            limit = x
+                    x = (lo1 if lo1 < hi0 else hi0) - lo0
+                    fr = x if x > 0 else 0
+                    x = hi1 - (hi0 if hi0 > lo1 else lo1)
+                    tk = x if x > 0 else 0
+                    if fr or tk:
+                        for i in shape_rows[si]:
+                            sf_rows[j][i] += fr
+                            st_rows[j][i] += tk
+                    d = ds[0][j]
+                    d[si] += (hi1 - lo1) - (hi0 - lo0)
+                    ds[1][j][si] += lo1 - lo0
+                    if end > final:
+                        ds[2][j][si] += tail_of(hi1, lo1, b, final) - tail_of(hi0, lo0, b, final)
+                    lo1s.append(lo1)
+                    hi1s.append(hi1)
+                    frs.append(fr)
+                    tks.append(tk)
+                moves.append((j, col, t, lo1s, hi1s, frs, tks))
+                lo, hi = lo1s, hi1s
+                if limit - f0 <= j:
+                    raise AssertionError("a sequence's blocks did not move where its length said")
+                j = limit - f0
+        step_takes = np.array(st_rows, dtype=np.int64).reshape(k, R)
+        step_frees = np.array(sf_rows, dtype=np.int64).reshape(k, R)
+        if moves and self._needs_per_seq:
+            per_seq = np.zeros((R, k, n), dtype=np.int64)
+            row_of = self._row_shape
+            for j, col, _, _, _, _, tks in moves:
+                per_seq[:, j, col] = [tks[si] if si >= 0 else 0 for si in row_of]
+        else:
+            per_seq = np.zeros((R, k, 0), dtype=np.int64)   # no sequence takes, or not read
+        limit = self._stretch_fits(step_takes, step_frees, per_seq)
+        if head_tokens is not None and moves and step_frees.any():
+            zero = [0] * R
             head = self._target(head_tokens, 0, zero, zero)[3]
             limit = min(limit, self._stretch_admits(step_takes, step_frees, head))
         k = min(k, limit)
         empty = np.zeros((0, R + 1, len(CATEGORIES)), dtype=np.int64)
         if k <= 0:
             return 0, empty, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.full(n, -1)
-        lo, hi, frees, takes, f = lo[:, :k], hi[:, :k], frees[:, :k], takes[:, :k], f[:k]
-        moved = (frees.any(axis=0) | takes.any(axis=0))            # [k, n]
-        # Block ids, event by event; the pool's free memory after each step that moved any.
-        free_rows = np.zeros((k, R + 1), dtype=np.int64)
-        largest = np.zeros(k, dtype=np.int64)
-        used = np.zeros(k, dtype=np.int64)
-        order = np.argsort(reqs, kind="stable")
-        last = 0
+        # Block ids, move by move in exact-mode order (step, then request); the pool's free
+        # memory after each step that moved any.
+        if moves:
+            req_of = reqs.tolist()
+            moves = sorted((mv for mv in moves if mv[0] < k), key=lambda mv: (mv[0], req_of[mv[1]], mv[1]))
+        seq_list = seqs.tolist()
+        row_of = self._row_shape
+        place, counts_only = self._place, self._counts_only()
         snapshot = (self._free_bytes(), self.largest_allocatable(), self.num_used_blocks())
-        for j in np.flatnonzero(moved.any(axis=1)).tolist():
-            free_rows[last:j], largest[last:j], used[last:j] = snapshot
-            for col in order[moved[j, order]].tolist():
-                if not self._place(int(seqs[col]), frees[:, j, col].tolist(), takes[:, j, col].tolist()):
-                    raise AssertionError("a block move failed inside a stretch that had room for it")
-            snapshot = (self._free_bytes(), self.largest_allocatable(), self.num_used_blocks())
-            last = j
-        free_rows[last:], largest[last:], used[last:] = snapshot
-        # Commit the final blocks and the sums.
-        finals = self._finals[seqs] if self._finals is not None else np.full(n, self.max_seq_len)
-        lo1, hi1 = lo[:, -1], hi[:, -1]
-        self._commit_sums(lo0, hi0, lo1, hi1, finals)
-        any_move = moved.any(axis=0)
-        last_step = np.where(any_move, k - 1 - np.argmax(moved[::-1], axis=0), -1)
-        last_target = np.where(any_move, filled0 + last_step + 1, -1)
-        self._lo[:, seqs], self._hi[:, seqs] = lo1, hi1
-        touched = seqs[any_move]
-        self._q[touched] = last_target[any_move]
-        # The split of every step.
+        snaps, at = [snapshot], [0]
+        i = 0
+        while i < len(moves):
+            j = moves[i][0]
+            if counts_only:
+                while i < len(moves) and moves[i][0] == j:
+                    i += 1
+                self._count_moves(sum(sf_rows[j]), sum(st_rows[j]))
+            else:
+                while i < len(moves) and moves[i][0] == j:
+                    _, col, _, _, _, frs, tks = moves[i]
+                    row_frees = [frs[si] if si >= 0 else 0 for si in row_of]
+                    row_takes = [tks[si] if si >= 0 else 0 for si in row_of]
+                    if not place(seq_list[col], row_frees, row_takes):
+                        raise AssertionError("a block move failed inside a stretch that had room for it")
+                    i += 1
+            snaps.append((self._free_bytes(), self.largest_allocatable(), self.num_used_blocks()))
+            at.append(j)
+        if len(snaps) == 1:
+            free_rows = np.broadcast_to(np.array(snapshot[0], dtype=np.int64), (k, R + 1))
+            largest = np.full(k, snapshot[1], dtype=np.int64)
+            used = np.full(k, snapshot[2], dtype=np.int64)
+        else:
+            # Step j holds the state after the last step at or before it that moved.
+            which = np.searchsorted(np.array(at[1:], dtype=np.int64), np.arange(k), side="right")
+            free_rows = np.array([sn[0] for sn in snaps], dtype=np.int64)[which]
+            largest = np.array([sn[1] for sn in snaps], dtype=np.int64)[which]
+            used = np.array([sn[2] for sn in snaps], dtype=np.int64)[which]
+        # Commit each sequence's blocks after its last move, and the sums.
+        last_target = np.full(n, -1, dtype=np.int64)
+        final_state: dict[int, tuple[int, list[int], list[int]]] = {}
+        for _, col, t, lo1s, hi1s, _, _ in moves:
+            final_state[col] = (t, lo1s, hi1s)
+        d_sums = np.array(ds, dtype=np.int64).reshape(3, -1, S)[:, :k]
+        if final_state:
+            cols = np.fromiter(final_state, dtype=np.int64, count=len(final_state))
+            touched = seqs[cols]
+            states = list(final_state.values())
+            last_target[cols] = [st[0] for st in states]
+            new_lo = np.array([st[1] for st in states], dtype=np.int64).T   # [S, moved]
+            new_hi = np.array([st[2] for st in states], dtype=np.int64).T
+            for si, rows in enumerate(shape_rows):
+                index = rows[0] if len(rows) == 1 else np.array(rows)[:, None]
+                self._lo[index, touched] = new_lo[si]
+                self._hi[index, touched] = new_hi[si]
+            self._q[touched] = last_target[cols]
+            sums = np.cumsum(d_sums, axis=1)                          # [3, k, S]
+            tot = sums[:, -1].tolist()
+        else:
+            sums = d_sums
+            tot = [[0] * S for _ in range(3)]
+        for si, (rows, (b, *_)) in enumerate(zip(shape_rows, params, strict=True)):
+            for r in rows:
+                self.held_blocks[r] += tot[0][si]
+                self._floor[r] += tot[1][si] * b
+                self._tail[r] += tot[2][si]
+        # The split of every step: the kept sums before the stretch plus their changes,
+        # worked out a shape at a time (its rows differ only in bytes per token and block).
         out = np.zeros((k, R + 1, len(CATEGORIES)), dtype=np.int64)
-        per_shape: dict[int, tuple[np.ndarray, ...]] = {}
-        for i, row in enumerate(self.rows):
-            shape = self._shape[i]
-            if shape not in per_shape:
-                held = (hi[i] - lo[i]).sum(axis=1)
-                if row.is_state:
-                    per_shape[shape] = (held,)
-                else:
-                    b = row.block_tokens
-                    floor = lo[i] * b
-                    in_held = (f - floor).sum(axis=1)
-                    oow = np.maximum(0, row.window_start(f) - floor).sum(axis=1) if row.windowed \
-                        else np.zeros(k, dtype=np.int64)
-                    tail = self._tails(hi[i], lo[i], b, finals[None, :]).sum(axis=1)
-                    per_shape[shape] = (held, in_held, oow, tail)
-            held = per_shape[shape][0]
-            out[:, i, PADDING] = held * row.padding_per_block
-            if row.is_state:
-                out[:, i, TOKEN] = held * row.state_bytes
+        stored = int(filled0.sum()) + n * np.arange(k, dtype=np.int64)
+        info = self._split_info
+        for i, (state, _, _, ppb, sb, *_) in enumerate(info):
+            if state:
+                out[:, i, PADDING] = self.held_blocks[i] * ppb
+                out[:, i, TOKEN] = self.held_blocks[i] * sb
+        f: np.ndarray | None = None
+        for si, (rows, (b, _, w, c)) in enumerate(zip(shape_rows, params, strict=True)):
+            r0 = rows[0]
+            held = self.held_blocks[r0] - tot[0][si] + sums[0, :, si]
+            floor = self._floor[r0] - tot[1][si] * b + sums[1, :, si] * b
+            tail = self._tail[r0] - tot[2][si] + sums[2, :, si]
+            in_held = stored - floor
+            reserved = held * b - in_held - tail
+            ws = info[r0][5]
+            oow: Any = None
+            if ws:
+                if f is None:
+                    f = filled0[None, :] + np.arange(k, dtype=np.int64)[:, None]
+                start = np.maximum(f - (w - 1), 0).sum(axis=1) if ws == 1 else (f // c * c).sum(axis=1)
+                oow = start - floor
+                token = stored - start
+            else:
+                token = in_held
+            if len(rows) == 1:
+                tb, ppb = info[r0][2], info[r0][3]
+                out[:, r0, TOKEN] = token * tb
+                out[:, r0, RESERVATION] = reserved * tb
+                out[:, r0, INTERNAL] = tail * tb
+                out[:, r0, PADDING] = held * ppb
+                if oow is not None:
+                    out[:, r0, OUT_OF_WINDOW] = oow * tb
                 continue
-            _, in_held, oow, tail = per_shape[shape]
-            b, tb = row.block_tokens, row.token_bytes
-            out[:, i, TOKEN] = (in_held - oow) * tb
-            out[:, i, OUT_OF_WINDOW] = oow * tb
-            out[:, i, INTERNAL] = tail * tb
-            out[:, i, RESERVATION] = (held * b - in_held - tail) * tb
+            tbs = np.array([info[r][2] for r in rows], dtype=np.int64)
+            ppbs = np.array([info[r][3] for r in rows], dtype=np.int64)
+            out[:, rows, TOKEN] = token[:, None] * tbs
+            out[:, rows, RESERVATION] = reserved[:, None] * tbs
+            out[:, rows, INTERNAL] = tail[:, None] * tbs
+            out[:, rows, PADDING] = held[:, None] * ppbs
+            if oow is not None:
+                out[:, rows, OUT_OF_WINDOW] = oow[:, None] * tbs
         out[:, :, FREE] = free_rows
         out[:, -1, PADDING] = self._fixed_padding()
         return k, out, largest, used, last_target
+
+    #: whether :meth:`_stretch_fits` reads the takes per sequence (else it gets zeros)
+    _needs_per_seq = True
+
+    def _counts_only(self) -> bool:
+        """Whether the pool keeps block counts only (moves then add up, :meth:`_count_moves`)."""
+        return False
+
+    def _count_moves(self, frees: int, takes: int) -> None:
+        """A step's blocks freed and taken, in a pool that keeps counts only."""
+        raise NotImplementedError
 
     def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray, per_seq: np.ndarray) -> int:
         """The first step whose takes might not fit, given each step's takes and frees

@@ -203,10 +203,8 @@ class HybridEngine(Engine):
         if n:
             rows = np.flatnonzero(b.offset[:n] + (self.g + 1) > b.owned[:n])
             if len(rows):
-                if len(rows) <= 4:   # a few rows: the scalar path is cheaper than numpy's
-                    super()._grow_decoders()
-                    return
-                rows = rows[np.argsort(b.req[rows], kind="stable")]
+                if len(rows) > 1:
+                    rows = rows[np.argsort(b.req[rows], kind="stable")]
                 targets = b.offset[rows] + (self.g + 1)
                 owned = m.grow_many(b.seq[rows], targets)
                 if owned is None:

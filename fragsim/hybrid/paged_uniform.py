@@ -52,21 +52,34 @@ class PagedUniformManager(HybridManager):
         return self.num_blocks - self.num_free_blocks()
 
     def _takes(self, takes: list[int]) -> tuple[int, int]:
-        blocks = max((takes[i] for i in self._attention), default=0)
-        states = max((takes[i] for i in self._states), default=0)
+        blocks = states = 0
+        for i in self._attention:
+            if takes[i] > blocks:
+                blocks = takes[i]
+        for i in self._states:
+            if takes[i] > states:
+                states = takes[i]
         return blocks, states
 
     def _place(self, seq: int, frees: list[int], takes: list[int]) -> bool:
         assert not any(frees), "paged-uniform frees no block before the sequence ends"
         blocks, states = self._takes(takes)
-        if blocks > self.num_free_blocks() or states > len(self._state_free):
+        queue, head = self._queue, self._head
+        if blocks > len(queue) - head or states > len(self._state_free):
             return False
         if blocks:
-            self._blocks.setdefault(seq, []).extend(self._queue[self._head:self._head + blocks])
-            self._head += blocks
-            if self._head > 1024 and self._head > len(self._queue) >> 1:
-                del self._queue[: self._head]
-                self._head = 0
+            mine = self._blocks.get(seq)
+            if mine is None:
+                mine = self._blocks[seq] = []
+            if blocks == 1:
+                mine.append(queue[head])
+            else:
+                mine += queue[head:head + blocks]
+            head += blocks
+            if head > 1024 and head > len(queue) >> 1:
+                del queue[:head]
+                head = 0
+            self._head = head
         if states:
             self._slot[seq] = self._state_free.pop(0)
         return True
@@ -90,6 +103,8 @@ class PagedUniformManager(HybridManager):
     def _can_take(self, takes: list[int]) -> bool:
         blocks, states = self._takes(takes)
         return blocks <= self.num_free_blocks() and states <= len(self._state_free)
+
+    _needs_per_seq = False
 
     def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray, per_seq: np.ndarray) -> int:
         if not self._attention:

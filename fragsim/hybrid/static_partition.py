@@ -64,11 +64,17 @@ class StaticPartitionManager(HybridManager):
         return sum(n - self.free_blocks(i) for i, n in enumerate(self.num_blocks))
 
     def _place(self, seq: int, frees: list[int], takes: list[int]) -> bool:
-        if any(t > self.free_blocks(i) + f for i, (f, t) in enumerate(zip(frees, takes, strict=True))):
-            return False
-        tables = self._tables.setdefault(seq, [[] for _ in self.rows])
+        pools, heads = self._free, self._head
+        for i, t in enumerate(takes):
+            if t and t > len(pools[i]) - heads[i] + frees[i]:
+                return False
+        tables = self._tables.get(seq)
+        if tables is None:
+            tables = self._tables[seq] = [[] for _ in self.rows]
         for i, (f, t) in enumerate(zip(frees, takes, strict=True)):
-            queue, table = self._free[i], tables[i]
+            if not (f or t):
+                continue
+            queue, table = pools[i], tables[i]
             if f:
                 queue.extend(reversed(table[:f]))
                 del table[:f]
@@ -95,6 +101,8 @@ class StaticPartitionManager(HybridManager):
 
     def _can_take(self, takes: list[int]) -> bool:
         return all(t <= self.free_blocks(i) for i, t in enumerate(takes))
+
+    _needs_per_seq = False
 
     def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray, per_seq: np.ndarray) -> int:
         free = np.array([self.free_blocks(i) for i in range(len(self.rows))])

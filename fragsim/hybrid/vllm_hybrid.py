@@ -106,6 +106,16 @@ class VllmHybridManager(HybridManager):
         if self._free_count < 0:
             raise AssertionError("advance_many ran out of blocks it was told were free")
 
+    _needs_per_seq = False
+
+    def _counts_only(self) -> bool:
+        return not self.tracks_ids
+
+    def _count_moves(self, frees: int, takes: int) -> None:
+        self._free_count += frees - takes
+        if self._free_count < 0:
+            raise AssertionError("a block move failed inside a stretch that had room for it")
+
     def _fits_moves(self, takes: list[list[int]]) -> bool:
         return sum(map(sum, takes)) <= self.num_free_blocks()
 
