@@ -51,7 +51,7 @@ CASES = [
 @pytest.mark.parametrize(("model", "allocator", "pool_bytes", "spec"), CASES,
                          ids=[f"{m}-{a}" for m, a, _, _ in CASES])
 def test_device_split_equals_simulated_at_every_step(model, allocator, pool_bytes, spec) -> None:
-    report = _validate(model, allocator, pool_bytes, **spec)
+    report = _validate(model, allocator, pool_bytes, requests=30, attention_every=6, **spec)
     assert report.error is None, report.error
     assert report.ok
     assert report.steps_checked > 30
@@ -67,11 +67,11 @@ def test_window_frees_reused_blocks_and_reads_stay_correct() -> None:
     """A small pool under pressure: sliding-window blocks fall out of the window, go back
     to the free queue, are taken by other requests, and every read inside every
     window (attention and stored K/V) stays correct."""
-    report = _validate("gpt-oss-20b", "vllm-hybrid", 60_000, attention_every=1)
+    report = _validate("gpt-oss-20b", "vllm-hybrid", 60_000, attention_every=4)
     assert report.ok, report.error
     assert report.window_reuses > 20
     assert report.preemptions > 0
-    assert report.attention_checks > 300
+    assert report.attention_checks > 100 and report.content_checks > 100
 
 
 def _reused_block(backend) -> tuple[int, int, int] | None:

@@ -165,7 +165,7 @@ def _main_hybrid(args: argparse.Namespace, spec: Any, allocators: list[str], dev
     for name in allocators:
         try:
             report = run_hybrid_validation(spec, name, device=device, shape=shape, scale=scale,
-                                           attention_every=args.attention_every or 1,
+                                           attention_every=args.attention_every or (1 if device == "cuda" else 5),
                                            offset=args.offset, pool_bytes=args.pool_bytes)
         except ValueError as exc:
             raise FragsimError(f"allocator {name!r}: {exc}") from None
