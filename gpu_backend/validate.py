@@ -40,8 +40,24 @@ class ModelShape:
             raise ValueError(f"dtype must be float16 or float32, got {self.dtype!r}")
 
 
+class _Report:
+    """What every validation report says of itself."""
+
+    error: str | None
+    table: list[dict[str, Any]]
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and all(row["match"] for row in self.table)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)  # type: ignore[call-overload]
+        out["ok"] = self.ok
+        return out
+
+
 @dataclass
-class ValidationReport:
+class ValidationReport(_Report):
     allocator: str
     device: str
     num_requests: int
@@ -53,15 +69,6 @@ class ValidationReport:
     max_abs_error: float
     error: str | None
     wall_time_s: float
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and all(row["match"] for row in self.table)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["ok"] = self.ok
-        return out
 
 
 def scaled_trace(trace: Any, scale: float) -> Any:
@@ -167,7 +174,7 @@ class HybridShape:
 
 
 @dataclass
-class HybridValidationReport:
+class HybridValidationReport(_Report):
     allocator: str
     model: str
     device: str
@@ -184,15 +191,6 @@ class HybridValidationReport:
     max_abs_error: float
     error: str | None
     wall_time_s: float
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and all(row["match"] for row in self.table)
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out["ok"] = self.ok
-        return out
 
 
 def run_hybrid_validation(spec: RunSpec, allocator: str, *, device: str = "cpu",

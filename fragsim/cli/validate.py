@@ -179,52 +179,37 @@ def _main_hybrid(args: argparse.Namespace, spec: Any, allocators: list[str], dev
 
 
 def _print_hybrid(report: Any) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    status = "[green]agree[/green]" if report.ok else "[red]MISMATCH[/red]"
-    table = Table(title=f"{report.allocator} on {report.device}, {report.model}: {report.num_requests} "
-                        f"requests, a {report.pool_bytes:,}-byte pool, {report.steps_checked:,} steps "
-                        f"checked — {status}", title_justify="left")
-    table.add_column("row: quantity")
-    table.add_column("simulated", justify="right")
-    table.add_column("measured on device", justify="right")
-    table.add_column("equal at every step", justify="center")
-    for row in report.table:
-        table.add_row(row["quantity"], f"{row['simulated']:,.1f}", f"{row['measured']:,.1f}",
-                      "yes" if row["match"] else "[red]NO[/red]")
-    table.add_row("attention checks passed", f"{report.attention_checks:,}",
-                  f"max |err| {report.max_abs_error:.2e}", "yes" if report.error is None else "[red]NO[/red]")
-    table.add_row("stored K/V checks passed", f"{report.content_checks:,}", "", "")
-    table.add_row("state reads checked", f"{report.state_checks:,}", "", "")
-    table.add_row("blocks a window freed, taken again", f"{report.window_reuses:,}", "", "")
-    table.add_row("preemptions", f"{report.preemptions:,}", "", "")
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=120)
-    console.print(table)
-    if report.error:
-        console.print(f"[red]{report.error}[/red]")
+    _print_table(report, f"{report.allocator} on {report.device}, {report.model}: {report.num_requests} "
+                         f"requests, a {report.pool_bytes:,}-byte pool", "row: quantity", 1,
+                 [("state reads checked", report.state_checks),
+                  ("blocks a window freed, taken again", report.window_reuses),
+                  ("preemptions", report.preemptions)])
 
 
 def _print(report: Any) -> None:
+    _print_table(report, f"{report.allocator} on {report.device}: {report.num_requests} requests, "
+                         f"{report.capacity_slots:,} slots", "quantity", 4, [])
+
+
+def _print_table(report: Any, title: str, first: str, digits: int, counts: list[tuple[str, int]]) -> None:
+    """The simulated-vs-measured table of one report, its checks, then any error."""
     from rich.console import Console
     from rich.table import Table
 
     status = "[green]agree[/green]" if report.ok else "[red]MISMATCH[/red]"
-    table = Table(title=f"{report.allocator} on {report.device}: {report.num_requests} requests, "
-                        f"{report.capacity_slots:,} slots, {report.steps_checked:,} steps checked — {status}",
-                  title_justify="left")
-    table.add_column("quantity")
+    table = Table(title=f"{title}, {report.steps_checked:,} steps checked — {status}", title_justify="left")
+    table.add_column(first)
     table.add_column("simulated", justify="right")
     table.add_column("measured on device", justify="right")
     table.add_column("equal at every step", justify="center")
     for row in report.table:
-        table.add_row(row["quantity"], f"{row['simulated']:,.4f}", f"{row['measured']:,.4f}",
+        table.add_row(row["quantity"], f"{row['simulated']:,.{digits}f}", f"{row['measured']:,.{digits}f}",
                       "yes" if row["match"] else "[red]NO[/red]")
     table.add_row("attention checks passed", f"{report.attention_checks:,}",
                   f"max |err| {report.max_abs_error:.2e}", "yes" if report.error is None else "[red]NO[/red]")
     table.add_row("stored K/V checks passed", f"{report.content_checks:,}", "", "")
+    for label, n in counts:
+        table.add_row(label, f"{n:,}", "", "")
     console = Console()
     if not console.is_terminal:
         console = Console(width=120)
