@@ -214,6 +214,9 @@ def run_hybrid_validation(spec: RunSpec, allocator: str, *, device: str = "cpu",
     shape = shape or HybridShape()
     if not 0 < scale <= 1:
         raise ValueError(f"scale must be in (0, 1], got {scale}")
+    if spec.prefix_caching:
+        raise ValueError("prefix caching shares blocks between requests, which the hybrid device "
+                         "backend does not follow yet (validate without --prefix-caching)")
     model, gpu = get_model(spec.model, catalog=spec.catalog), get_gpu(spec.gpu, catalog=spec.catalog)
     dtype = getattr(torch, shape.dtype)
     mini = miniature(model, num_layers=shape.num_layers, kv_heads=shape.num_kv_heads,

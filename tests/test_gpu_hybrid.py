@@ -199,3 +199,8 @@ def test_cli_refuses_mixed_dense_and_hybrid(tmp_path, capsys) -> None:
     rc = main(["validate", "--device", "cpu", "--allocator", "vllm,jenga", "--out", str(tmp_path)])
     assert rc == 2
     assert "apart from the dense allocators" in capsys.readouterr().err
+
+
+def test_prefix_caching_is_refused_on_the_device() -> None:
+    with pytest.raises(ValueError, match="prefix caching"):
+        _validate("gpt-oss-20b", "vllm-hybrid", 60_000, prefix_caching=True)
