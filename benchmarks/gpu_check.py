@@ -107,26 +107,30 @@ def _plot_kernels(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-HYBRID_CASES = [("gpt-oss-20b", {"num_kv_heads": 8, "head_dim": 64, "q_per_kv": 8}, 8_000_000, {}),
-                ("nemotron-h-8b", {"num_kv_heads": 8, "head_dim": 128, "q_per_kv": 4}, 8_000_000, {})]
 HYBRID_MANAGERS = ["vllm-hybrid", "jenga", "static-partition", "paged-uniform"]
 
 
 def part_hybrid_validate(out: Path, budget_s: float, num_requests: int) -> dict[str, Any]:
     from fragsim.simulate import RunSpec
-    from gpu_backend.validate import HybridShape, run_hybrid_validation
+    from gpu_backend.validate import (
+        CUDA_HYBRID_SCALE,
+        CUDA_HYBRID_SHAPES,
+        HybridShape,
+        run_hybrid_validation,
+    )
 
     rows, deadline = [], time.monotonic() + budget_s
-    for model, shape, pool_bytes, extra in HYBRID_CASES:
+    for model, shape, pool_bytes in CUDA_HYBRID_SHAPES:
         spec = RunSpec(trace="azure-conv", model=model, gpu="h100-80gb", num_requests=num_requests,
-                       max_seq_len=4096, rate=20.0, **extra)
+                       max_seq_len=4096, rate=20.0)
         for name in HYBRID_MANAGERS:
             if time.monotonic() > deadline:
                 rows.append({"model": model, "allocator": name, "skipped": "time budget spent"})
                 continue
             try:
                 report = run_hybrid_validation(spec, name, device="cuda", shape=HybridShape(**shape),
-                                               scale=0.25, attention_every=2, pool_bytes=pool_bytes)
+                                               scale=CUDA_HYBRID_SCALE, attention_every=2,
+                                               pool_bytes=pool_bytes)
             except ValueError as exc:   # a pool too small for the manager's layout
                 rows.append({"model": model, "allocator": name, "skipped": str(exc)})
                 continue

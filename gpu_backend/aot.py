@@ -11,9 +11,9 @@ fixed, its argument types and the launch's specialisation (``D``: a pointer 16-b
 aligned, an int divisible by 16; Triton's launcher marks these and they decide whether
 loads are vectorised, so leaving them out compiles a kernel no launch runs: the paged
 kernel takes 255 registers and spills without them, ~100 with them).
-:func:`variants` finds them by calling the real wrappers of :mod:`gpu_backend.kernels`
-on meta tensors with the kernels swapped for recorders, so the planner (``_plan``,
-``_default_num_splits``) decides the constexprs as it does on a GPU:
+:func:`variants` finds them by calling the real wrappers on meta tensors with the
+kernels swapped for recorders (:mod:`gpu_backend.aot_launches`), so the planners
+(``_plan``, ``_default_num_splits``) decide the constexprs as they do on a GPU:
 
 * the validator on CUDA (``fragsim validate --device cuda``, ``benchmarks/gpu_check.py``
   part 1): 40 q / 40 kv heads, head_dim 128, block_size 16, fp16 and ``--dtype float32``,
@@ -22,12 +22,15 @@ on meta tensors with the kernels swapped for recorders, so the planner (``_plan`
   shape and batch × context grid, read from its signature;
 * the interpreter's shapes (``fragsim validate --device cpu``, ``tests/test_kernels.py``'s
   split-K case), which ``FRAGSIM_TEST_CUDA=1`` runs on a GPU;
+* the hybrid validator on CUDA (gpu_check part 4: the windowed kernel of every kind and
+  MLA over a hybrid pool's pages, in :data:`gpu_backend.validate.CUDA_HYBRID_SHAPES`) and
+  the windowed-kernel benchmark (:mod:`gpu_backend.window_bench`, gpu_check part 5);
 * ``aot_variants()`` of :mod:`gpu_backend.kernels_window` and :mod:`gpu_backend.kernels_mla`
   where those modules exist (dicts with name, fn, signature, constexprs, num_warps,
   num_stages and optionally spill_ok, attrs), their names prefixed with the module's.
 
-Split counts depend on the SM count; they are derived for the cards of :data:`NUM_SMS`
-and the union is compiled for every architecture.
+Split counts depend on the SM count; they are derived for the cards of
+:data:`gpu_backend.aot_launches.NUM_SMS` and the union is compiled for every architecture.
 
 Reading the output of ``python -m gpu_backend.aot [--arch 80,90] [--json] [--only TEXT]``
 (one row per variant and architecture)::
@@ -64,27 +67,22 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from types import ModuleType, SimpleNamespace
 from typing import Any
 
-import torch
 import triton
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import BaseBackend, GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from gpu_backend import kernel_bench, kernels
+from gpu_backend import aot_launches
 
 ARCHS = (80, 90)
 MAX_REGISTERS = 255
-# SM counts the split heuristic sees: A100 for sm_80, H100/H200 for sm_90.
-NUM_SMS = {"a100": 108, "h100": 132}
 _EXTERNAL = ("gpu_backend.kernels_window", "gpu_backend.kernels_mla")
-_DTYPE_NAMES = {torch.float16: "fp16", torch.float32: "fp32"}
 
 
 class CompileError(RuntimeError):
@@ -176,7 +174,7 @@ class CompileResult:
 def variants() -> list[Variant]:
     """Every variant the validator, the benchmarks and the interpreter tests launch, then
     those of the other kernel modules; one entry per name."""
-    found = _decode_variants()
+    found = [Variant.from_launch(*launch) for launch in aot_launches.launches()]
     for module_name in _EXTERNAL:
         try:
             module = importlib.import_module(module_name)
@@ -188,118 +186,6 @@ def variants() -> list[Variant]:
         found += [Variant.from_dict({"used_by": (short,), **d}, short + ":")
                   for d in module.aot_variants()]
     return _merge(found)
-
-
-@dataclass(frozen=True)
-class _Launches:
-    """Launches of both layouts over one pool shape, one per split count."""
-
-    used_by: str
-    dtype: torch.dtype
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    num_splits: tuple[int, ...]
-    max_len: int  # sets the block-table width
-    block_n: int | None = None
-
-
-def _decode_variants() -> list[Variant]:
-    bench = {k: p.default for k, p in
-             inspect.signature(kernel_bench.bench_decode_attention).parameters.items()}
-    launches = [_Launches("kernel_bench", bench["dtype"], bench["num_q_heads"],
-                          bench["num_kv_heads"], bench["head_dim"], bench["block_size"],
-                          _cuda_splits(bench["num_kv_heads"], bench["batches"], bench["contexts"]),
-                          max(bench["contexts"]))]
-    for dtype in (torch.float16, torch.float32):
-        # The validator on CUDA: the 13B-shaped pool of gpu_check and `fragsim validate`;
-        # any running batch, lengths up to --max-seq-len 2048.
-        launches.append(_Launches("validate --device cuda", dtype, 40, 40, 128, 16,
-                                  _cuda_splits(40, range(1, 65), range(256, 2049, 256)), 2048))
-        # The interpreter's shapes: `fragsim validate --device cpu` (lengths x 0.05) and
-        # the split-K test.
-        launches.append(_Launches("validate --device cpu", dtype, 4, 2, 16, 16, (1,), 103))
-        launches.append(_Launches("tests/test_kernels.py", dtype, 4, 2, 16, 4, (2, 3, 7), 100,
-                                  block_n=16))
-    return [v for launch in launches for layout in ("paged", "contiguous")
-            for num_splits in launch.num_splits for v in _record(launch, layout, num_splits)]
-
-
-def _record(launch: _Launches, layout: str, num_splits: int) -> list[Variant]:
-    """Call the layout's wrapper on meta tensors and turn its kernel launches into variants."""
-    width = -(-launch.max_len // launch.block_size)  # block-table entries per sequence
-
-    def meta(*size: int, dtype: torch.dtype = launch.dtype) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device="meta")
-
-    q = meta(1, launch.num_q_heads, launch.head_dim)
-    k_cache, v_cache = (meta(width * launch.block_size, launch.num_kv_heads, launch.head_dim)
-                        for _ in range(2))
-    lens = meta(1, dtype=torch.int32)
-    with _recording(kernels) as launched:
-        if layout == "paged":
-            kernels.paged_decode_attention(q, k_cache, v_cache, meta(1, width, dtype=torch.int32),
-                                           lens, launch.block_size, num_splits=num_splits,
-                                           block_n=launch.block_n, validate=False)
-        else:
-            kernels.contiguous_decode_attention(q, k_cache, v_cache, lens, lens,
-                                                num_splits=num_splits, block_n=launch.block_n,
-                                                validate=False)
-    dtype = _DTYPE_NAMES[launch.dtype]
-    out = []
-    for fn, args, kwargs in launched:
-        name = f"combine/{dtype}/d{launch.head_dim}/s{num_splits}"
-        if fn is not kernels._combine_splits_kernel:
-            bs = f"/bs{launch.block_size}" if layout == "paged" else ""
-            name = (f"{layout}/{dtype}/q{launch.num_q_heads}kv{launch.num_kv_heads}"
-                    f"/d{launch.head_dim}{bs}/bn{kwargs['BLOCK_N']}/s{num_splits}")
-        out.append(Variant.from_launch(name, fn, args, kwargs, launch.used_by))
-    return out
-
-
-_KERNEL_NAMES = ("_paged_decode_kernel", "_contiguous_decode_kernel", "_combine_splits_kernel")
-
-
-@contextlib.contextmanager
-def _recording(module: ModuleType) -> Iterator[list[tuple[Any, tuple[Any, ...], dict[str, Any]]]]:
-    """Swap the module's kernels for recorders: ``kernel[grid](*args, **kwargs)`` appends
-    ``(kernel, args, kwargs)`` instead of launching."""
-    launches: list[tuple[Any, tuple[Any, ...], dict[str, Any]]] = []
-
-    class Recorder:
-        def __init__(self, fn: Any) -> None:
-            self.fn = fn
-
-        def __getitem__(self, grid: Any) -> Any:
-            return lambda *args, **kwargs: launches.append((self.fn, args, kwargs))
-
-    saved = {name: getattr(module, name) for name in _KERNEL_NAMES}
-    try:
-        for name, fn in saved.items():
-            setattr(module, name, Recorder(fn))
-        yield launches
-    finally:
-        for name, fn in saved.items():
-            setattr(module, name, fn)
-
-
-def _cuda_splits(num_kv_heads: int, batches: Iterable[int], contexts: Iterable[int]
-                 ) -> tuple[int, ...]:
-    """The split counts ``kernels._default_num_splits`` picks on the cards of NUM_SMS."""
-    batches, contexts = list(batches), list(contexts)
-    real = torch.cuda.get_device_properties
-    found = set()
-    try:
-        for num_sms in NUM_SMS.values():
-            # The heuristic asks torch for the SM count; answer for the card in question.
-            setattr(torch.cuda, "get_device_properties",  # noqa: B010 - a module function
-                    lambda device=None, n=num_sms: SimpleNamespace(multi_processor_count=n))
-            found |= {kernels._default_num_splits(torch.device("cuda"), b * num_kv_heads, c)
-                      for b in batches for c in contexts}
-    finally:
-        setattr(torch.cuda, "get_device_properties", real)  # noqa: B010
-    return tuple(sorted(found))
 
 
 def _merge(found: Iterable[Variant]) -> list[Variant]:

@@ -434,8 +434,9 @@ def _aot_combine_variant(dtype: torch.dtype, head_dim: int, num_splits: int) -> 
 def aot_variants() -> list[dict[str, Any]]:
     """The windowed kernel's variants the validator and benchmarks launch, for compiling
     ahead of time: fp16/fp32, head_dim 64/128, GQA group 1/8, block_size 16, 1 and 4
-    splits, sliding and chunked over flat caches; every kind over a hybrid pool's pages
-    in the shapes the CUDA validator uses (``-pages``); plus the split merges.
+    splits, sliding and chunked over flat caches (plus the split merges). The launches
+    over a hybrid pool's pages are recorded from their callers
+    (:mod:`gpu_backend.aot_launches`).
 
     Each entry: ``name``, ``fn`` (the ``@triton.jit`` function), ``signature`` (a Triton
     type for every argument in order, ``constexpr`` for the constexprs), ``constexprs``,
@@ -447,23 +448,18 @@ def aot_variants() -> list[dict[str, Any]]:
     block_size, num_warps = 16, 4
     variants: list[dict[str, Any]] = []
     combines: dict[str, dict[str, Any]] = {}
-    flat = itertools.product((SLIDING, CHUNKED), (torch.float16, torch.float32), (64, 128), (1, 8),
-                             (1, 4), (False,))
-    # The hybrid validator on CUDA (benchmarks/gpu_check.py) reads the pool's pages: every
-    # kind, fp16, gpt-oss heads (group 8 × 64) and Nemotron-H heads (group 4 × 128).
-    pages = [(kind, torch.float16, d, g, s, True) for kind in (FULL, SLIDING, CHUNKED)
-             for d, g in ((64, 8), (128, 4)) for s in (1, 4)]
-    for kind, dtype, head_dim, group, num_splits, strided in [*flat, *pages]:
+    for kind, dtype, head_dim, group, num_splits in itertools.product(
+            (SLIDING, CHUNKED), (torch.float16, torch.float32), (64, 128), (1, 8), (1, 4)):
         q = torch.empty(1, group, head_dim, dtype=dtype, device="meta")
         plan = _window_plan(q, 1, None, None, num_splits, None, None, num_warps)
-        constexprs = _window_meta(plan.meta, block_size, kind, strided)
+        constexprs = _window_meta(plan.meta, block_size, kind)
         elem = _TRITON_DTYPES[dtype]
         part = "*fp32" if num_splits > 1 else elem
         pointers = {"q_ptr": elem, "k_ptr": elem, "v_ptr": elem, "out_ptr": elem,
                     "part_ptr": part, "m_ptr": part, "l_ptr": part,
                     "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32"}
         name = (f"{_KIND_NAMES[kind]}/{_DTYPE_NAMES[dtype]}/g{group}/d{head_dim}/bs{block_size}"
-                f"/bn{constexprs['BLOCK_N']}/s{num_splits}{'-pages' if strided else ''}")
+                f"/bn{constexprs['BLOCK_N']}/s{num_splits}")
         signature = _aot_signature(_window_decode_kernel, constexprs, pointers)
         variants.append({"name": name, "fn": _window_decode_kernel, "signature": signature,
                          "constexprs": constexprs, "num_warps": plan.num_warps, "num_stages": 2,

@@ -153,6 +153,15 @@ def _table(records: list[Any], capacity: int) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ hybrid models
 
 
+#: the hybrid validator on CUDA (benchmarks/gpu_check.py part 4): (model, miniature shape,
+#: pool bytes); gpt-oss's heads and Nemotron-H's, lengths × CUDA_HYBRID_SCALE
+CUDA_HYBRID_SHAPES: list[tuple[str, dict[str, int], int]] = [
+    ("gpt-oss-20b", {"num_kv_heads": 8, "head_dim": 64, "q_per_kv": 8}, 8_000_000),
+    ("nemotron-h-8b", {"num_kv_heads": 8, "head_dim": 128, "q_per_kv": 4}, 8_000_000),
+]
+CUDA_HYBRID_SCALE = 0.25
+
+
 @dataclass(frozen=True)
 class HybridShape:
     """The miniature a hybrid model is validated as (:func:`gpu_backend.hybrid_pool.miniature`)."""
