@@ -227,6 +227,11 @@ class HybridManager:
         for si, (_, members, *_) in enumerate(self._attn_shapes):
             for i in members:
                 self._row_shape[i] = si
+        self._state_rows = [i for i, si in enumerate(self._row_shape) if si < 0]
+        self._rows_per_shape = [len(members) for _, members, *_ in self._attn_shapes]
+        self._head_takes: dict[int, list[int]] = {}   # a fresh sequence's takes, by its tokens
+        self._has_state_rows = bool(self._state_rows)
+        self._shape_of_rows = np.array([max(si, 0) for si in self._row_shape], dtype=np.int64)
 
     # ---------------------------------------------------------------- lengths
 
@@ -569,10 +574,6 @@ class HybridManager:
         # The moves, sequence by sequence (plain ints: a stretch moves a few sequences a
         # few times): per step, the blocks each row takes and frees and the change of the
         # kept sums per shape; per move, the sequence's blocks after it.
-        step_takes = np.zeros((k, R), dtype=np.int64)
-        step_frees = np.zeros((k, R), dtype=np.int64)
-        d_sums = np.zeros((3, k, S), dtype=np.int64)     # held, floor (blocks), tail
-        moves: list[tuple[int, int, int, list[int], list[int], list[int], list[int]]] = []
         finals = self._finals
         m_cols = movers.tolist()
         m_f0 = filled0[movers].tolist()
@@ -583,72 +584,93 @@ class HybridManager:
         m_lo, m_hi = los[:, movers].T.tolist(), his[:, movers].T.tolist()
         tail_of = self._tail_of
         shape_rows = [rows for _, rows, *_ in shapes]
-        st_rows = step_takes.tolist()
-        sf_rows = step_frees.tolist()
-        ds = d_sums.tolist()
-        for col, f0, j, final, lo, hi in zip(m_cols, m_f0, m_j0, m_fin, m_lo, m_hi, strict=True):
-            while j < k:
-                t = f0 + j + 1
-                limit = cap
-                lo1s, hi1s, frs, tks = [], [], [], []
-                for si, (b, code, w, c) in enumerate(params):
-                    lo0, hi0 = lo[si], hi[si]
-                    hi1 = (t + b - 1) // b
-                    if hi1 < hi0:
-                        hi1 = hi0
-                    end = hi1 * b
-                    if end < limit:
-                        limit = end
-                    lo1 = lo0
-                    if code:
-                        if code == 1:
-                            x = (t - w) // b if t > w else 0
-                            if x > lo0:
-                                lo1 = x
-                            x = (lo1 + 1) * b + w - 1
-                        else:
-                            x = (t - 1) // c * c // b
-                            if x > lo0:
-                                lo1 = x
-                            x = -(-((lo1 + 1) * b) // c) * c
-                        if x < limit:
-                            limit = x
-                    x = (lo1 if lo1 < hi0 else hi0) - lo0
-                    fr = x if x > 0 else 0
-                    x = hi1 - (hi0 if hi0 > lo1 else lo1)
-                    tk = x if x > 0 else 0
-                    if fr or tk:
-                        for i in shape_rows[si]:
-                            sf_rows[j][i] += fr
-                            st_rows[j][i] += tk
-                    d = ds[0][j]
-                    d[si] += (hi1 - lo1) - (hi0 - lo0)
-                    ds[1][j][si] += lo1 - lo0
-                    if end > final:
-                        ds[2][j][si] += tail_of(hi1, lo1, b, final) - tail_of(hi0, lo0, b, final)
-                    lo1s.append(lo1)
-                    hi1s.append(hi1)
-                    frs.append(fr)
-                    tks.append(tk)
-                moves.append((j, col, t, lo1s, hi1s, frs, tks))
-                lo, hi = lo1s, hi1s
-                if limit - f0 <= j:
-                    raise AssertionError("a sequence's blocks did not move where its length said")
-                j = limit - f0
-        step_takes = np.array(st_rows, dtype=np.int64).reshape(k, R)
-        step_frees = np.array(sf_rows, dtype=np.int64).reshape(k, R)
-        if moves and self._needs_per_seq:
-            per_seq = np.zeros((R, k, n), dtype=np.int64)
-            row_of = self._row_shape
-            for j, col, _, _, _, _, tks in moves:
-                per_seq[:, j, col] = [tks[si] if si >= 0 else 0 for si in row_of]
-        else:
-            per_seq = np.zeros((R, k, 0), dtype=np.int64)   # no sequence takes, or not read
-        limit = self._stretch_fits(step_takes, step_frees, per_seq)
-        if head_tokens is not None and moves and step_frees.any():
-            zero = [0] * R
-            head = self._target(head_tokens, 0, zero, zero)[3]
-            limit = min(limit, self._stretch_admits(step_takes, step_frees, head))
+        moves: list[tuple[int, int, int, list[int], list[int], list[int], list[int]]] = []
+        # A stretch that cannot take its first step is common under memory pressure: its
+        # first step alone (the limits read no later step to stop there) is tried first.
+        for kk in ((1, k) if k > 1 and 0 in m_j0 else (k,)):
+            step_takes = np.zeros((kk, S), dtype=np.int64)   # per shape, then per row
+            step_frees = np.zeros((kk, S), dtype=np.int64)
+            d_sums = np.zeros((3, kk, S), dtype=np.int64)     # held, floor (blocks), tail
+            moves = []
+            st_rows = step_takes.tolist()
+            sf_rows = step_frees.tolist()
+            ds = d_sums.tolist()
+            if len(m_cols) * kk > self._STRETCH_EVENTS_NP:
+                moves, st_rows, sf_rows, ds = self._stretch_events(
+                    kk, movers, filled0[movers], j0[movers], los[:, movers], his[:, movers],
+                    np.array(m_fin, dtype=np.int64))
+                m_iter: Any = ()
+            else:
+                m_iter = zip(m_cols, m_f0, m_j0, m_fin, m_lo, m_hi, strict=True)
+            for col, f0, j, final, lo, hi in m_iter:
+                while j < kk:
+                    t = f0 + j + 1
+                    limit = cap
+                    lo1s, hi1s, frs, tks = [], [], [], []
+                    for si, (b, code, w, c) in enumerate(params):
+                        lo0, hi0 = lo[si], hi[si]
+                        hi1 = (t + b - 1) // b
+                        if hi1 < hi0:
+                            hi1 = hi0
+                        end = hi1 * b
+                        if end < limit:
+                            limit = end
+                        lo1 = lo0
+                        if code:
+                            if code == 1:
+                                x = (t - w) // b if t > w else 0
+                                if x > lo0:
+                                    lo1 = x
+                                x = (lo1 + 1) * b + w - 1
+                            else:
+                                x = (t - 1) // c * c // b
+                                if x > lo0:
+                                    lo1 = x
+                                x = -(-((lo1 + 1) * b) // c) * c
+                            if x < limit:
+                                limit = x
+                        x = (lo1 if lo1 < hi0 else hi0) - lo0
+                        fr = x if x > 0 else 0
+                        x = hi1 - (hi0 if hi0 > lo1 else lo1)
+                        tk = x if x > 0 else 0
+                        if fr or tk:
+                            sf_rows[j][si] += fr
+                            st_rows[j][si] += tk
+                        d = ds[0][j]
+                        d[si] += (hi1 - lo1) - (hi0 - lo0)
+                        ds[1][j][si] += lo1 - lo0
+                        if end > final:
+                            ds[2][j][si] += tail_of(hi1, lo1, b, final) - tail_of(hi0, lo0, b, final)
+                        lo1s.append(lo1)
+                        hi1s.append(hi1)
+                        frs.append(fr)
+                        tks.append(tk)
+                    moves.append((j, col, t, lo1s, hi1s, frs, tks))
+                    lo, hi = lo1s, hi1s
+                    if limit - f0 <= j:
+                        raise AssertionError("a sequence's blocks did not move where its length said")
+                    j = limit - f0
+            step_takes = np.array(st_rows, dtype=np.int64).reshape(kk, S)[:, self._shape_of_rows]
+            step_frees = np.array(sf_rows, dtype=np.int64).reshape(kk, S)[:, self._shape_of_rows]
+            if self._has_state_rows:
+                step_takes[:, self._state_rows] = 0
+                step_frees[:, self._state_rows] = 0
+            if moves and self._needs_per_seq:
+                per_seq = np.zeros((R, kk, n), dtype=np.int64)
+                row_of = self._row_shape
+                for j, col, _, _, _, _, tks in moves:
+                    per_seq[:, j, col] = [tks[si] if si >= 0 else 0 for si in row_of]
+            else:
+                per_seq = np.zeros((R, kk, 0), dtype=np.int64)   # no sequence takes, or not read
+            limit = self._stretch_fits(step_takes, step_frees, per_seq)
+            if head_tokens is not None and moves and step_frees.any():
+                head = self._head_takes.get(head_tokens)
+                if head is None:
+                    zero = [0] * R
+                    head = self._head_takes[head_tokens] = self._target(head_tokens, 0, zero, zero)[3]
+                limit = min(limit, self._stretch_admits(step_takes, step_frees, head))
+            if limit == 0:
+                break
         k = min(k, limit)
         empty = np.zeros((0, R + 1, len(CATEGORIES)), dtype=np.int64)
         if k <= 0:
@@ -669,7 +691,8 @@ class HybridManager:
             if counts_only:
                 while i < len(moves) and moves[i][0] == j:
                     i += 1
-                self._count_moves(sum(sf_rows[j]), sum(st_rows[j]))
+                self._count_moves(sum(x * r for x, r in zip(sf_rows[j], self._rows_per_shape, strict=True)),
+                                  sum(x * r for x, r in zip(st_rows[j], self._rows_per_shape, strict=True)))
             else:
                 while i < len(moves) and moves[i][0] == j:
                     _, col, _, _, _, frs, tks = moves[i]
@@ -766,6 +789,53 @@ class HybridManager:
         out[:, -1, PADDING] = self._fixed_padding()
         return k, out, largest, used, last_target
 
+    #: a stretch over more than this many (moving sequences × steps) finds its moves in numpy
+    #: (a long stretch of many sequences: the loop's cost grows with the moves, numpy's less)
+    _STRETCH_EVENTS_NP = 2048
+
+    def _stretch_events(self, k: int, cols: np.ndarray, f0: np.ndarray, j0: np.ndarray, lo0: np.ndarray,
+                        hi0: np.ndarray, finals: np.ndarray) -> tuple[list, list, list, list]:
+        """The moves of :meth:`stretch`'s sequence-by-sequence loop, from each shape's
+        closed form over ``[steps, sequences]`` (``lo0``, ``hi0``: ``[shapes, sequences]``
+        before the stretch): (moves, takes and frees per step and shape, the changes of
+        the kept sums per step and shape)."""
+        S = len(self._attn_shapes)
+        steps = np.arange(k, dtype=np.int64)[:, None]
+        t = f0[None, :] + steps + 1                                     # [k, m] targets
+        live = steps >= j0[None, :]                                     # before its first move: none
+        los, his, frs, tks = [], [], [], []
+        sums = np.zeros((3, k, S), dtype=np.int64)
+        for si, (_, _, b, code, w, c) in enumerate(self._attn_shapes):
+            l0, h0 = lo0[si][None, :], hi0[si][None, :]
+            hi = np.where(live, np.maximum(h0, (t + (b - 1)) // b), h0)
+            if code == 1:
+                lo = np.where(live, np.maximum(l0, np.maximum(t - w, 0) // b), l0)
+            elif code == 2:
+                lo = np.where(live, np.maximum(l0, (t - 1) // c * c // b), l0)
+            else:
+                lo = np.broadcast_to(l0, hi.shape)
+            lo_prev = np.concatenate((l0, lo[:-1]))
+            hi_prev = np.concatenate((h0, hi[:-1]))
+            fr = np.maximum(np.minimum(lo, hi_prev) - lo_prev, 0)
+            tk = np.maximum(hi - np.maximum(hi_prev, lo), 0)
+            sums[0, :, si] = ((hi - lo) - (hi_prev - lo_prev)).sum(axis=1)
+            sums[1, :, si] = (lo - lo_prev).sum(axis=1)
+            near = (hi * b > finals[None, :]) & ((hi != hi_prev) | (lo != lo_prev))
+            if near.any():
+                fin = np.broadcast_to(finals[None, :], hi.shape)
+                sums[2, :, si] = np.where(near, self._tails(hi, lo, b, fin) - self._tails(hi_prev, lo_prev, b, fin),
+                                          0).sum(axis=1)
+            los.append(lo)
+            his.append(hi)
+            frs.append(fr)
+            tks.append(tk)
+        lo_a, hi_a, fr_a, tk_a = np.stack(los), np.stack(his), np.stack(frs), np.stack(tks)   # [S, k, m]
+        jj, cc = np.nonzero((fr_a > 0).any(axis=0) | (tk_a > 0).any(axis=0))
+        moves = list(zip(jj.tolist(), cols[cc].tolist(), t[jj, cc].tolist(), lo_a[:, jj, cc].T.tolist(),
+                         hi_a[:, jj, cc].T.tolist(), fr_a[:, jj, cc].T.tolist(), tk_a[:, jj, cc].T.tolist(),
+                         strict=True))
+        return moves, tk_a.sum(axis=2).T.tolist(), fr_a.sum(axis=2).T.tolist(), sums.tolist()
+
     #: whether :meth:`_stretch_fits` reads the takes per sequence (else it gets zeros)
     _needs_per_seq = True
 
@@ -795,14 +865,13 @@ class HybridManager:
         return int(freeing[0]) if len(freeing) else len(takes)
 
     def owned_many(self, seqs: np.ndarray) -> np.ndarray:
-        """:meth:`num_owned` for many sequences."""
+        """:meth:`num_owned` for many sequences (a shape's rows hold the same blocks)."""
         limit = np.full(len(seqs), self.max_seq_len + 1, dtype=np.int64)
-        for i, row in enumerate(self.rows):
-            if row.is_state:
-                continue
-            np.minimum(limit, self._hi[i, seqs] * row.block_tokens, out=limit)
-            at = row.next_free_at_many(self._lo[i, seqs])
-            if at is not None:
+        for rep, _, b, code, w, c in self._attn_shapes:
+            np.minimum(limit, self._hi[rep, seqs] * b, out=limit)
+            if code:
+                lo = self._lo[rep, seqs]
+                at = (lo + 1) * b + (w - 1) if code == 1 else -(-((lo + 1) * b) // c) * c
                 np.minimum(limit, at, out=limit)
         return limit
 
