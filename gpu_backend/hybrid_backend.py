@@ -9,7 +9,7 @@ and makes the device agree:
    or preempted request); blocks it newly holds are taken, with their logical
    index (an id held twice is an error naming both requests);
 2. every attention row writes the K/V of each newly computed position into every
-   one of its layers, through the row's layout (:mod:`gpu_backend.hybrid_pool`);
+   one of its layers, through the row's layout (:mod:`gpu_backend.hybrid_layout`);
    a state row checks that its block still holds the state of the length it last
    wrote (a read: a neighbour's free or a reused block must not have touched it),
    then writes the state of the new length;

@@ -164,7 +164,7 @@ CUDA_HYBRID_SCALE = 0.25
 
 @dataclass(frozen=True)
 class HybridShape:
-    """The miniature a hybrid model is validated as (:func:`gpu_backend.hybrid_pool.miniature`)."""
+    """The miniature a hybrid model is validated as (:func:`gpu_backend.hybrid_layout.miniature`)."""
 
     num_layers: int | None = None    # the model's first layers; None: enough for every kind
     num_kv_heads: int = 2
@@ -217,7 +217,8 @@ def run_hybrid_validation(spec: RunSpec, allocator: str, *, device: str = "cpu",
     from fragsim.catalog import get_gpu, get_model
     from fragsim.simulate import pool_bytes as full_pool_bytes
     from gpu_backend.hybrid_backend import HybridDeviceBackend
-    from gpu_backend.hybrid_pool import HybridPool, layout_of, miniature
+    from gpu_backend.hybrid_layout import layout_of, miniature
+    from gpu_backend.hybrid_pool import HybridPool
     from gpu_backend.pool import ValidationError
 
     shape = shape or HybridShape()

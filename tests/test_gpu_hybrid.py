@@ -13,7 +13,8 @@ pytest.importorskip("triton")
 from fragsim.catalog import get_gpu, get_model  # noqa: E402
 from fragsim.hybrid import create_manager  # noqa: E402
 from fragsim.simulate import RunSpec  # noqa: E402
-from gpu_backend.hybrid_pool import HybridPool, layout_of, miniature  # noqa: E402
+from gpu_backend.hybrid_layout import layout_of, miniature  # noqa: E402
+from gpu_backend.hybrid_pool import HybridPool  # noqa: E402
 from gpu_backend.pool import kv_values  # noqa: E402
 from gpu_backend.validate import HybridShape, run_hybrid_validation  # noqa: E402
 
