@@ -183,7 +183,7 @@ class HybridEngine(Engine):
         if self.prefilling:
             seqs = np.concatenate((seqs, [p.req for p in self.prefilling]))
             computed = np.concatenate((computed, [p.done for p in self.prefilling]))
-        return seqs.astype(np.int64), computed.astype(np.int64)
+        return seqs.astype(np.int64, copy=False), computed.astype(np.int64, copy=False)
 
     def _check(self) -> None:
         """The engine's thresholds against the manager's, then the KV manager's check: the

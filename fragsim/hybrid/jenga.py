@@ -65,6 +65,7 @@ class JengaManager(HybridManager):
         self._free_slots = [0] * len(padded)             # per row: free small pages in its large pages
         # (seq, row) -> its large pages of that row with a free small page
         self._open_of: dict[tuple[int, int], dict[int, None]] = {}
+        self._num_used = 0                               # small pages held, kept as they move
 
     # ------------------------------------------------------------- placement
 
@@ -81,6 +82,7 @@ class JengaManager(HybridManager):
         """``count`` small pages for ``seq``: in its own large pages of this kind, else
         fresh large pages while more than ``reserved`` (what later rows must open)
         remain, else in other requests' partly used pages."""
+        self._num_used += count
         per = self.per_large[row]
         if per == 1:  # a small page is a whole large page: no partly used pages ever
             pages = [self._free_large.pop() for _ in range(count)]
@@ -131,6 +133,7 @@ class JengaManager(HybridManager):
         return -(-short // self.per_large[row]) if short > 0 else 0
 
     def _give_back(self, seq: int, row: int, small: int) -> None:
+        self._num_used -= 1
         per = self.per_large[row]
         if per == 1:
             del self._slots[small], self._owners[small]
@@ -138,7 +141,9 @@ class JengaManager(HybridManager):
             self._free_large.append(small)
             return
         page, slot = divmod(small, per)
-        self._slots[page].append(slot)
+        slots = self._slots[page]
+        was_full = not slots
+        slots.append(slot)
         self._free_slots[row] += 1
         self._partial[row][page] = None
         owners = self._owners[page]
@@ -146,8 +151,9 @@ class JengaManager(HybridManager):
         if not owners[seq]:
             del owners[seq]
             self._close(seq, row, page)
-        for owner in owners:  # the page has room again for those still in it
-            self._open_of.setdefault((owner, row), {})[page] = None
+        if was_full:  # the page has room again for those still in it (a page with room is open to all)
+            for owner in owners:
+                self._open_of.setdefault((owner, row), {})[page] = None
         if len(self._slots[page]) == per:  # the whole large page is free again
             del self._partial[row][page], self._slots[page], self._owners[page]
             self._kind_of[page] = -1
@@ -177,7 +183,7 @@ class JengaManager(HybridManager):
 
     def num_used_blocks(self) -> int:
         """Small pages held."""
-        return sum(len(t) for tables in self._tables.values() for t in tables)
+        return self._num_used
 
     def num_free_large(self) -> int:
         return len(self._free_large)
@@ -222,6 +228,7 @@ class JengaManager(HybridManager):
         return np.array(self._kind_of, dtype=np.int64)
 
     def _check_pool(self) -> None:
+        assert self._num_used == sum(len(t) for tables in self._tables.values() for t in tables), "used pages"
         carved = [p for p in range(self.num_large) if self._kind_of[p] >= 0]
         assert sorted(carved + self._free_large) == list(range(self.num_large)), "large pages lost"
         for p in carved:

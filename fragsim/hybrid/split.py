@@ -62,7 +62,8 @@ class SplitRecorder:
             j = int(np.flatnonzero((totals != self.capacity) | (splits.min(axis=(1, 2)) < 0))[0])
             raise AssertionError(f"broken byte split in the stretch from t={t0}, step {j}: sums to "
                                  f"{int(totals[j]):,} of {self.capacity:,}\n{splits[j]}")
-        weighted = np.tensordot(dts, splits, axes=(0, 0))
+        shape = splits.shape[1:]
+        weighted = np.dot(dts.reshape(1, -1), splits.reshape(len(dts), -1)).reshape(shape)   # tensordot's own
         self._integral += weighted
         np.maximum(self._peak, splits.max(axis=0), out=self._peak)
         span = float(dts.sum())
