@@ -682,7 +682,7 @@ class HybridManager:
             moves = sorted((mv for mv in moves if mv[0] < k), key=lambda mv: (mv[0], req_of[mv[1]], mv[1]))
         seq_list = seqs.tolist()
         row_of = self._row_shape
-        place, counts_only = self._place, self._counts_only()
+        counts_only = self._counts_only()
         snapshot = (self._free_bytes(), self.largest_allocatable(), self.num_used_blocks())
         snaps, at = [snapshot], [0]
         i = 0
@@ -694,13 +694,16 @@ class HybridManager:
                 self._count_moves(sum(x * r for x, r in zip(sf_rows[j], self._rows_per_shape, strict=True)),
                                   sum(x * r for x, r in zip(st_rows[j], self._rows_per_shape, strict=True)))
             else:
+                first = i
                 while i < len(moves) and moves[i][0] == j:
-                    _, col, _, _, _, frs, tks = moves[i]
-                    row_frees = [frs[si] if si >= 0 else 0 for si in row_of]
-                    row_takes = [tks[si] if si >= 0 else 0 for si in row_of]
-                    if not place(seq_list[col], row_frees, row_takes):
-                        raise AssertionError("a block move failed inside a stretch that had room for it")
                     i += 1
+                step = moves[first:i]
+                frs_s = [[mv[5][si] for mv in step] for si in range(S)]
+                tks_s = [[mv[6][si] for mv in step] for si in range(S)]
+                zero = [0] * len(step)
+                self._place_moves([seq_list[mv[1]] for mv in step],
+                                  [frs_s[si] if si >= 0 else zero for si in row_of],
+                                  [tks_s[si] if si >= 0 else zero for si in row_of])
             snaps.append((self._free_bytes(), self.largest_allocatable(), self.num_used_blocks()))
             at.append(j)
         if len(snaps) == 1:

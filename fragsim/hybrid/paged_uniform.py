@@ -84,6 +84,37 @@ class PagedUniformManager(HybridManager):
             self._slot[seq] = self._state_free.pop(0)
         return True
 
+    def _place_moves(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
+        """:meth:`_place` of each moving sequence in turn, known to fit."""
+        att = self._attention
+        if not att:
+            super()._place_moves(seqs, frees, takes)
+            return
+        per_seq = takes[att[0]] if len(att) == 1 else [max(c) for c in zip(*(takes[i] for i in att), strict=True)]
+        if self._states:
+            states = [max(c) for c in zip(*(takes[i] for i in self._states), strict=True)]
+            for seq, n in zip(seqs, states, strict=True):
+                if n:
+                    self._slot[seq] = self._state_free.pop(0)
+        queue, head, blocks = self._queue, self._head, self._blocks
+        for seq, n in zip(seqs, per_seq, strict=True):
+            if not n:
+                continue
+            if head + n > len(queue):
+                raise AssertionError("advance_many ran out of blocks it was told were free")
+            mine = blocks.get(seq)
+            if mine is None:
+                mine = blocks[seq] = []
+            if n == 1:
+                mine.append(queue[head])
+            else:
+                mine += queue[head:head + n]
+            head += n
+            if head > 1024 and head > len(queue) >> 1:
+                del queue[:head]
+                head = 0
+        self._head = head
+
     def _release(self, seq: int) -> None:
         self._queue.extend(self._blocks.pop(seq, []))
         if seq in self._slot:

@@ -88,6 +88,34 @@ class StaticPartitionManager(HybridManager):
                 self._head[i] = head
         return True
 
+    def _place_moves(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
+        """The moves row by row: a row's pool sees the same frees and takes in the same
+        order as sequence by sequence (pools are per row), known to fit."""
+        tables = self._tables
+        for i, (queue, row_frees, row_takes) in enumerate(zip(self._free, frees, takes, strict=True)):
+            if not any(row_frees) and not any(row_takes):
+                continue
+            head = self._head[i]
+            for seq, f, t in zip(seqs, row_frees, row_takes, strict=True):
+                if not (f or t):
+                    continue
+                mine = tables.get(seq)
+                if mine is None:
+                    mine = tables[seq] = [[] for _ in self.rows]
+                table = mine[i]
+                if f:
+                    queue.extend(reversed(table[:f]))
+                    del table[:f]
+                if t:
+                    if head + t > len(queue):
+                        raise AssertionError("advance_many ran out of blocks it was told were free")
+                    table.extend(queue[head:head + t])
+                    head += t
+                    if head > 1024 and head > len(queue) >> 1:
+                        del queue[:head]
+                        head = 0
+            self._head[i] = head
+
     def _release(self, seq: int) -> None:
         for queue, table in zip(self._free, self._tables.pop(seq, []), strict=False):
             queue.extend(reversed(table))
@@ -105,12 +133,29 @@ class StaticPartitionManager(HybridManager):
     _needs_per_seq = False
 
     def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray, per_seq: np.ndarray) -> int:
+        if len(takes) <= 64:  # a short stretch: the running sums in plain ints
+            room = [self.free_blocks(i) for i in range(len(self.rows))]   # free, and freed before
+            for j, (t_row, f_row) in enumerate(zip(takes.tolist(), frees.tolist(), strict=True)):
+                for i, t in enumerate(t_row):
+                    room[i] -= t
+                    if room[i] < 0:
+                        return j
+                for i, f in enumerate(f_row):
+                    room[i] += f
+            return len(takes)
         free = np.array([self.free_blocks(i) for i in range(len(self.rows))])
         freed_before = np.vstack((np.zeros((1, len(self.rows)), dtype=np.int64), np.cumsum(frees, axis=0)[:-1]))
         short = np.flatnonzero((np.cumsum(takes, axis=0) > free + freed_before).any(axis=1))
         return int(short[0]) if len(short) else len(takes)
 
     def _stretch_admits(self, takes: np.ndarray, frees: np.ndarray, head: list[int]) -> int:
+        if len(takes) <= 64:
+            now = [self.free_blocks(i) for i in range(len(self.rows))]
+            for j, d_row in enumerate((frees - takes).tolist()):
+                now = [x + d for x, d in zip(now, d_row, strict=True)]
+                if all(x >= h for x, h in zip(now, head, strict=True)):
+                    return j
+            return len(takes)
         free = np.array([self.free_blocks(i) for i in range(len(self.rows))])
         free_after = free + np.cumsum(frees - takes, axis=0)
         fits = np.flatnonzero((free_after >= np.array(head)).all(axis=1))
