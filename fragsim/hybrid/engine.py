@@ -80,6 +80,7 @@ class HybridEngine(Engine):
                          observer=observer)
         manager.bind_finals(self.final)
         self.split_rec = self.kv.split_rec
+        self._batched_growth = type(manager).advance_many is HybridManager.advance_many
         self.prefix = PrefixKeys(trace, manager.block_size) if config.prefix_caching else None  # type: ignore[arg-type]
         self.num_prefix_hits_by_kind: dict[str, int] = {}  # each kind's own hit, on its own
 
@@ -206,12 +207,24 @@ class HybridEngine(Engine):
                 if len(rows) > 1:
                     rows = rows[np.argsort(b.req[rows], kind="stable")]
                 targets = b.offset[rows] + (self.g + 1)
-                owned = m.grow_many(b.seq[rows], targets)
-                if owned is None:
+                if self._batched_growth:
+                    owned = m.grow_many(b.seq[rows], targets)
+                    if owned is None:
+                        super()._grow_decoders()
+                        return
+                    b.requested[rows] = targets
+                    b.owned[rows] = owned
+                    return
+                # A manager that stands for its batched growth by its own advance_many (one
+                # that records operations) is driven through it.
+                row_seqs = b.seq[rows]
+                moves = m.moves_many(row_seqs, targets)
+                if not m.can_take_all(moves[-1]):
                     super()._grow_decoders()
                     return
+                m.advance_many(row_seqs, targets, moves)
                 b.requested[rows] = targets
-                b.owned[rows] = owned
+                b.owned[rows] = m.owned_many(row_seqs)
 
     # ------------------------------------------------------------- stretches
 
