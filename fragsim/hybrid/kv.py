@@ -50,6 +50,9 @@ class HybridKV:
         self._split_rows = manager._split_rows if type(manager).split is HybridManager.split else None
         self._allocate = manager._allocate if type(manager).allocate is HybridManager.allocate else None
         self._extend_owned = manager._extend_owned if type(manager).extend is HybridManager.extend else None
+        # Every free byte allocatable (the largest allocatable is the free column): the
+        # recorder's stretch path then knows the fragmentation ratio is 0 without dividing.
+        self._largest_is_free = type(manager).largest_allocatable is HybridManager.largest_allocatable
         self.split_rec = SplitRecorder(manager.labels, kind_of_rows(manager.rows), manager.capacity,
                                        resolution_s)
 
@@ -131,7 +134,8 @@ class HybridKV:
         """A stretch's splits, ``[steps, rows + pool, categories]``, step by step."""
         free = splits[:, :, FREE].sum(axis=1)
         rec.record_steps(now, dts, splits[:, :, TOKEN].sum(axis=1), self.manager.capacity - free,
-                         splits[:, :, HELD_ELSEWHERE].sum(axis=(1, 2)), largest, running, waiting)
+                         splits[:, :, HELD_ELSEWHERE].sum(axis=(1, 2)),
+                         None if self._largest_is_free else largest, running, waiting)
         self.split_rec.record_steps(now, dts, splits, used)
 
     def split(self, token_states: int) -> tuple[int, int, int, int]:
