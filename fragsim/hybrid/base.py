@@ -44,7 +44,9 @@ block, the remainder of the memory that makes no whole block). At every instant:
 
 The manager keeps the sums that change only when blocks move (blocks held, the
 ``lo·B`` floor, the tails) incrementally; the engine supplies the computed
-lengths, and only the out-of-window term is summed over sequences per step.
+lengths, and only the out-of-window term is summed over sequences per step: as
+no sequence's ``lo·B`` passes its ``s(f)``, it is ``Σ s(f) − Σ lo·B``, the window
+starts less the kept floor.
 
 The engine-facing interface is the :class:`~fragsim.allocators.Allocator`
 protocol in token units (``allocate(seq, tokens)``, ``extend``, ``free``), so the

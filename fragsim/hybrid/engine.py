@@ -14,11 +14,13 @@ changes is what a sequence meets and what is recorded:
   (:class:`~fragsim.hybrid.split.SplitRecorder`) beside the engine's usual
   recorder, which gets the pool-wide totals in bytes.
 
-Stretches keep working: window frees and block takes fall at steps known from
-each sequence's length, so a stretch runs between them in a few numpy calls, takes
-and frees blocks at those steps in exact-mode order, and stops before a step whose
-blocks might not all be free (which then runs exactly, preempting if it must) and,
-when requests wait, before a step that frees blocks (an admission may follow).
+Stretches span block moves: window frees and block takes fall at steps known from
+each sequence's length (its next threshold, ``num_owned``), so a stretch follows
+each moving sequence from threshold to threshold, takes and frees blocks at those
+steps in exact-mode order, records every step's split from the manager's kept sums
+plus their changes, and stops before a step whose blocks might not all be free
+(which then runs exactly, preempting if it must) and, when requests wait, before a
+step that frees blocks (an admission may follow).
 
 Prefix caching (``prefix_caching``, ``vllm-hybrid`` only,
 :mod:`fragsim.hybrid.vllm_prefix`) follows the dense
