@@ -127,7 +127,7 @@ class HybridKV:
             if low < least:
                 least = low
         rec.record(now, dt, token, m.capacity - free, elsewhere, m.largest_allocatable(), running, waiting)
-        self.split_rec.record(now, dt, np.array(rows, dtype=np.int64), m.num_used_blocks(), total, least)
+        self.split_rec.record(now, dt, rows, m.num_used_blocks(), total, least)
 
     def record_steps(self, rec: Recorder, now: float, dts: np.ndarray, splits: np.ndarray,
                      largest: np.ndarray, used: np.ndarray, running: int, waiting: np.ndarray) -> None:

@@ -25,34 +25,44 @@ class SplitRecorder:
                  resolution_s: float | None) -> None:
         self.labels, self.kinds, self.capacity = labels, kinds, capacity
         self.resolution_s = resolution_s
-        shape = (len(labels), len(CATEGORIES))
-        self._integral = np.zeros(shape)
-        self._peak = np.zeros(shape)
+        self._shape = (len(labels), len(CATEGORIES))
+        size = self._shape[0] * self._shape[1]
+        # Flat, row-major, in plain floats: a step's state adds to them without an array
+        # (each element gets the same float operations, in the same order, as in numpy).
+        self._integral = [0.0] * size
+        self._peak: list[float] = [0.0] * size
         self._span = 0.0
         self._used_blocks = 0.0
-        self._buckets: dict[int, np.ndarray] = {}
+        self._buckets: dict[int, list[float]] = {}
         self._bucket_span: dict[int, float] = {}
         #: per kind, further summary keys (the engine's prefix-cache hit rates)
         self.extra_by_kind: dict[str, dict[str, float]] = {}
 
-    def record(self, t: float, dt: float, split: np.ndarray, used_blocks: int,
+    def record(self, t: float, dt: float, split: np.ndarray | list[list[int]], used_blocks: int,
                total: int | None = None, least: int | None = None) -> None:
-        """One state held for ``dt`` from ``t`` (``total`` and ``least``: the split's sum and
-        smallest part, when the caller has them)."""
+        """One state held for ``dt`` from ``t`` (``split``: an array or its rows as lists;
+        ``total`` and ``least``: the split's sum and smallest part, when the caller has them)."""
+        rows = split.tolist() if isinstance(split, np.ndarray) else split
         if total is None or least is None:
-            total, least = int(split.sum()), int(split.min())
+            total, least = sum(map(sum, rows)), min(map(min, rows))
         if total != self.capacity or least < 0:
             raise AssertionError(f"broken byte split at t={t}: sums to {total:,} of "
-                                 f"{self.capacity:,}, least part {least:,}\n{split}")
+                                 f"{self.capacity:,}, least part {least:,}\n{np.array(rows)}")
         if dt <= 0:
             return
-        weighted = split * dt
-        self._integral += weighted
-        np.maximum(self._peak, split, out=self._peak)
+        acc, top = self._integral, self._peak
+        weighted = [v * dt for row in rows for v in row]
+        i = 0
+        for row in rows:
+            for v in row:
+                acc[i] += weighted[i]
+                if v > top[i]:
+                    top[i] = v
+                i += 1
         self._span += dt
         self._used_blocks += used_blocks * dt
         if self.resolution_s is not None:
-            self._bucket(int(t // self.resolution_s), weighted, dt, fresh=True)
+            self._bucket(int(t // self.resolution_s), weighted, dt)
 
     def record_steps(self, t0: float, dts: np.ndarray, splits: np.ndarray,
                      used_blocks: np.ndarray) -> None:
@@ -64,8 +74,11 @@ class SplitRecorder:
                                  f"{int(totals[j]):,} of {self.capacity:,}\n{splits[j]}")
         shape = splits.shape[1:]
         weighted = np.dot(dts.reshape(1, -1), splits.reshape(len(dts), -1)).reshape(shape)   # tensordot's own
-        self._integral += weighted
-        np.maximum(self._peak, splits.max(axis=0), out=self._peak)
+        flat = weighted.ravel().tolist()
+        acc = self._integral
+        for i, v in enumerate(flat):
+            acc[i] += v
+        self._peak = np.maximum(self._peak, splits.max(axis=0).ravel()).tolist()
         span = float(dts.sum())
         self._span += span
         self._used_blocks += float(np.dot(dts, used_blocks))
@@ -74,27 +87,30 @@ class SplitRecorder:
         starts = t0 + np.concatenate(([0.0], np.cumsum(dts)[:-1]))
         index = (starts // self.resolution_s).astype(np.int64)
         if index[0] == index[-1]:
-            self._bucket(int(index[0]), weighted, span)
+            self._bucket(int(index[0]), flat, span)
             return
         for b in np.unique(index).tolist():
             sel = index == b
-            self._bucket(b, np.tensordot(dts[sel], splits[sel], axes=(0, 0)), float(dts[sel].sum()))
+            self._bucket(b, np.tensordot(dts[sel], splits[sel], axes=(0, 0)).ravel().tolist(),
+                         float(dts[sel].sum()))
 
-    def _bucket(self, b: int, weighted: np.ndarray, span: float, fresh: bool = False) -> None:
-        """Add to bucket ``b`` (``fresh``: ``weighted`` is the caller's to keep)."""
+    def _bucket(self, b: int, weighted: list[float], span: float) -> None:
+        """Add to bucket ``b`` (``weighted``: flat, row-major; the bucket keeps a copy)."""
         acc = self._buckets.get(b)
         if acc is not None:
-            acc += weighted
+            for i, v in enumerate(weighted):
+                acc[i] += v
             self._bucket_span[b] += span
         else:
-            self._buckets[b] = weighted if fresh else weighted.copy()
+            self._buckets[b] = list(weighted)
             self._bucket_span[b] = span
 
     # -- output ----------------------------------------------------------------
 
     def means(self) -> np.ndarray:
         """Time-weighted mean bytes, ``[rows, categories]``."""
-        return self._integral / self._span if self._span > 0 else np.zeros_like(self._integral)
+        integral = np.array(self._integral, dtype=np.float64).reshape(self._shape)
+        return integral / self._span if self._span > 0 else np.zeros_like(integral)
 
     def mean_used_blocks(self) -> float:
         return self._used_blocks / self._span if self._span > 0 else 0.0
@@ -134,11 +150,12 @@ class SplitRecorder:
         out: dict[str, np.ndarray] = {
             "time_s": np.array(keys, dtype=np.float64) * (self.resolution_s or 0.0)}
         spans = np.array([self._bucket_span[k] for k in keys])
+        buckets = {k: np.array(self._buckets[k], dtype=np.float64).reshape(self._shape) for k in keys}
         kinds = list(dict.fromkeys(self.kinds))
         for kind in kinds:
             rows = [r for r, k in enumerate(self.kinds) if k == kind]
             for c, name in enumerate(CATEGORIES):
-                vals = np.array([self._buckets[k][rows, c].sum() for k in keys])
+                vals = np.array([buckets[k][rows, c].sum() for k in keys])
                 with np.errstate(divide="ignore", invalid="ignore"):
                     out[f"{kind}.{name}"] = np.where(spans > 0, vals / np.where(spans > 0, spans, 1), 0.0)
         return out
