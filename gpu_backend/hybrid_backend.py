@@ -244,10 +244,9 @@ class HybridDeviceBackend:
 
         pool, row, dev = self.pool, self.pool.layout.rows[r], self.pool.device
         layer = row.layer_ids[0]
-        width = max(len(self._block_of(req, r)) for req, _, _ in batch)
-        tables = torch.full((len(batch), width), -1, dtype=torch.int32, device=dev)
-        for i, (req, _, _) in enumerate(batch):
-            t = self._block_of(req, r)
+        rows = [self._block_of(req, r) for req, _, _ in batch]
+        tables = torch.full((len(batch), max(len(t) for t in rows)), -1, dtype=torch.int32, device=dev)
+        for i, t in enumerate(rows):
             tables[i, : len(t)] = t.to(torch.int32)
         lens = torch.tensor([n for _, n, _ in batch], dtype=torch.int32, device=dev)
         reqs = torch.tensor([req for req, _, _ in batch], device=dev)

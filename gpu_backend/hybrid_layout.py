@@ -129,6 +129,13 @@ class RowLayout:
     def layer_state_bytes(self) -> int:
         return self.state_bytes // len(self.layer_base)
 
+    @property
+    def layer_bytes(self) -> int:
+        """One real layer's bytes in one block (K and V of its positions, or its state)."""
+        if self.is_state:
+            return self.layer_state_bytes
+        return self.block_tokens * self.token_bytes // len(self.layer_base)
+
     def window_start(self, computed: torch.Tensor) -> torch.Tensor:
         """First position the next token reads, per entry of ``computed``."""
         if self.kind == "sliding":
@@ -241,10 +248,3 @@ def _row(row: Any, layers: list[tuple[int, LayerSpec]], num_ids: int, stride: in
                      padding_per_block=row.padding_per_block, window=row.window, chunk=row.chunk,
                      kv_heads=first.num_kv_heads if first.kind != "mla" else 1, head_dim=width,
                      rope_dim=first.qk_rope_head_dim)
-
-
-def _layer_bytes_of(row: RowLayout, elt: int) -> int:
-    """One real layer's bytes in one block of a laid-out row."""
-    if row.is_state:
-        return row.layer_state_bytes
-    return row.block_tokens * row.token_bytes // len(row.layer_base)

@@ -27,7 +27,7 @@ from fragsim.hybrid.base import (
     RESERVATION,
     TOKEN,
 )
-from gpu_backend.hybrid_layout import Layout, _layer_bytes_of
+from gpu_backend.hybrid_layout import Layout
 from gpu_backend.pool import ValidationError, kv_values
 
 __all__ = ["HybridPool", "ValidationError", "state_bytes_values"]
@@ -72,7 +72,7 @@ class HybridPool:
                 if base % self.elt or row.block_stride % self.elt:
                     raise ValueError(f"row {row.label!r}: layer at byte {base}, stride {row.block_stride} "
                                      f"are not multiples of the {self.elt}-byte element")
-                top = base + (row.num_ids - 1) * row.block_stride + _layer_bytes_of(row, self.elt)
+                top = base + (row.num_ids - 1) * row.block_stride + row.layer_bytes
                 if row.num_ids and top > layout.capacity:
                     raise ValueError(f"row {row.label!r} (layer at {base}) ends at byte {top} past the "
                                      f"{layout.capacity}-byte pool")

@@ -25,17 +25,20 @@ def gather_contiguous(cache: torch.Tensor, offset: int, seq_len: int) -> torch.T
     return cache[offset : offset + seq_len]
 
 
-def paged_slots(block_table: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Slot of each position ``0 .. seq_len - 1`` of one sequence (int64)."""
-    positions = torch.arange(seq_len, device=block_table.device)
+def paged_slots(block_table: torch.Tensor, seq_len: int, block_size: int,
+                start: int = 0) -> torch.Tensor:
+    """Slot of each position ``start .. seq_len - 1`` of one sequence (int64); table
+    entries of blocks before ``start`` are not read."""
+    positions = torch.arange(start, seq_len, device=block_table.device)
     blocks = block_table.long()[positions // block_size]
     return blocks * block_size + positions % block_size
 
 
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-                 block_size: int) -> torch.Tensor:
-    """K or V of one sequence through its block-table row ``block_table [max_blocks]``."""
-    return cache[paged_slots(block_table, seq_len, block_size)]
+                 block_size: int, start: int = 0) -> torch.Tensor:
+    """K or V of positions ``start .. seq_len - 1`` of one sequence through its block-table
+    row ``block_table [max_blocks]``."""
+    return cache[paged_slots(block_table, seq_len, block_size, start)]
 
 
 def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -77,13 +80,7 @@ def paged_decode_attention_ref(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Reference for :func:`gpu_backend.kernels.paged_decode_attention`."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    out = torch.empty_like(q)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        k = gather_paged(k_cache, block_tables[i], seq_len, block_size)
-        v = gather_paged(v_cache, block_tables[i], seq_len, block_size)
-        out[i] = attend_one(q[i], k, v, scale)
-    return out
+    return _windowed_ref(q, k_cache, v_cache, block_tables, seq_lens, block_size, scale, None, None)
 
 
 # --------------------------------------------------------------------------- windows
@@ -99,14 +96,6 @@ def window_start(seq_len: int, window: int | None = None, chunk: int | None = No
     return 0
 
 
-def gather_paged_range(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int,
-                       block_size: int) -> torch.Tensor:
-    """K or V of positions ``start .. end - 1``; table entries of other blocks are not read."""
-    positions = torch.arange(start, end, device=block_table.device)
-    slots = block_table.long()[positions // block_size] * block_size + positions % block_size
-    return cache[slots]
-
-
 def _windowed_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
                   scale: float | None, window: int | None, chunk: int | None) -> torch.Tensor:
@@ -114,8 +103,8 @@ def _windowed_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out = torch.empty_like(q)
     for i, seq_len in enumerate(seq_lens.tolist()):
         start = window_start(seq_len, window, chunk)
-        k = gather_paged_range(k_cache, block_tables[i], start, seq_len, block_size)
-        v = gather_paged_range(v_cache, block_tables[i], start, seq_len, block_size)
+        k = gather_paged(k_cache, block_tables[i], seq_len, block_size, start)
+        v = gather_paged(v_cache, block_tables[i], seq_len, block_size, start)
         out[i] = attend_one(q[i], k, v, scale)
     return out
 

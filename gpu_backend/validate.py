@@ -91,7 +91,7 @@ def run_validation(spec: RunSpec, allocator: str, *, device: str = "cpu", shape:
                    offset: int = 0) -> ValidationReport:
     import torch
 
-    from gpu_backend.backend import DeviceBackend, SharedDeviceBackend, ValidationError
+    from gpu_backend.backend import DeviceBackend, SharedDeviceBackend
     from gpu_backend.pool import KVPool
 
     shape = shape or ModelShape()
@@ -114,6 +114,17 @@ def run_validation(spec: RunSpec, allocator: str, *, device: str = "cpu", shape:
     backend_class = SharedDeviceBackend if hasattr(engine, "fork_log") else DeviceBackend
     backend = backend_class(pool, engine.alloc, shape.num_q_heads, attention_every=attention_every,
                             attention_layers=layers, corrupt=corrupt)
+    error, wall = _replay(engine, backend)
+    return ValidationReport(allocator, device, len(trace), engine.alloc.capacity, len(backend.records),
+                            _table(backend.records, engine.alloc.capacity), backend.attention_checks,
+                            backend.content_checks, backend.max_abs_error, error, wall)
+
+
+def _replay(engine: Any, backend: Any) -> tuple[str | None, float]:
+    """Run ``engine`` with ``backend`` following every step: the first disagreement, if
+    any, and the wall seconds."""
+    from gpu_backend.pool import ValidationError
+
     engine.attach(backend)
     t0 = time.perf_counter()
     error = None
@@ -121,10 +132,7 @@ def run_validation(spec: RunSpec, allocator: str, *, device: str = "cpu", shape:
         engine.run()
     except ValidationError as exc:
         error = str(exc)
-    wall = time.perf_counter() - t0
-    return ValidationReport(allocator, device, len(trace), engine.alloc.capacity, len(backend.records),
-                            _table(backend.records, engine.alloc.capacity), backend.attention_checks,
-                            backend.content_checks, backend.max_abs_error, error, wall)
+    return error, time.perf_counter() - t0
 
 
 def _table(records: list[Any], capacity: int) -> list[dict[str, Any]]:
@@ -219,7 +227,6 @@ def run_hybrid_validation(spec: RunSpec, allocator: str, *, device: str = "cpu",
     from gpu_backend.hybrid_backend import HybridDeviceBackend
     from gpu_backend.hybrid_layout import layout_of, miniature
     from gpu_backend.hybrid_pool import HybridPool
-    from gpu_backend.pool import ValidationError
 
     shape = shape or HybridShape()
     if not 0 < scale <= 1:
@@ -247,14 +254,7 @@ def run_hybrid_validation(spec: RunSpec, allocator: str, *, device: str = "cpu",
     pool = HybridPool(layout_of(manager, mini, spec.tp), dtype=dtype, device=device)
     backend = HybridDeviceBackend(pool, manager, shape.q_per_kv, attention_every=attention_every,
                                   corrupt=corrupt)
-    engine.attach(backend)
-    t0 = time.perf_counter()
-    error = None
-    try:
-        engine.run()
-    except ValidationError as exc:
-        error = str(exc)
-    wall = time.perf_counter() - t0
+    error, wall = _replay(engine, backend)
     return HybridValidationReport(
         allocator, mini.name, device, len(trace), pool_bytes, list(manager.labels), len(backend.records),
         _hybrid_table(backend.records, manager.labels), backend.attention_checks, backend.content_checks,

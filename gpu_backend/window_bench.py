@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gpu_backend.kernel_bench import _require_cuda, copy_bandwidth_gbps
+from gpu_backend.kernel_bench import _int_list, _require_cuda, copy_bandwidth_gbps
 from gpu_backend.kernels_mla import mla_decode_attention
 from gpu_backend.kernels_window import CHUNKED, FULL, SLIDING, windowed_decode_attention
 from gpu_backend.reference import (
@@ -204,12 +204,12 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", default="16,64", help="comma list (default %(default)s)")
-    p.add_argument("--contexts", default="2048,8192,12000", help="comma list (default %(default)s)")
+    p.add_argument("--batches", type=_int_list, default=[16, 64], help="comma list (default 16,64)")
+    p.add_argument("--contexts", type=_int_list, default=[2048, 8192, 12000],
+                   help="comma list (default 2048,8192,12000)")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
-    rows = bench_window_attention(batches=[int(x) for x in args.batches.split(",")],
-                                  contexts=[int(x) for x in args.contexts.split(",")])
+    rows = bench_window_attention(batches=args.batches, contexts=args.contexts)
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -166,7 +166,7 @@ def test_layouts_keep_distinct_units_apart(allocator: str) -> None:
     pool = HybridPool(lay, dtype=torch.float32)   # checks every page ends inside the pool
     spans = []
     for r, row in enumerate(lay.rows):
-        size = row.layer_state_bytes if row.is_state else row.block_tokens * row.token_bytes // len(row.layer_base)
+        size = row.layer_bytes
         for j, base in enumerate(row.layer_base):
             for b in range(row.num_ids):
                 spans.append((base + b * row.block_stride, size, r, b, j))

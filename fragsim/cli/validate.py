@@ -88,7 +88,6 @@ def main(args: argparse.Namespace) -> int:
 
     from fragsim.cli.run import parse_allocators
     from fragsim.errors import FragsimError
-    from fragsim.report import clean_json
     from fragsim.simulate import RunSpec
     from gpu_backend.validate import ModelShape, run_validation
 
@@ -121,17 +120,24 @@ def main(args: argparse.Namespace) -> int:
                            f"({', '.join(hybrid)}) apart from the dense allocators")
     if hybrid:
         return _main_hybrid(args, spec, allocators, device, scale)
+    every = args.attention_every or (1 if cuda else 5)
+    return _run_all(args, spec, allocators, _print, lambda name: run_validation(
+        spec, name, device=device, shape=shape, scale=scale, attention_every=every, offset=args.offset))
+
+
+def _run_all(args: argparse.Namespace, spec: Any, allocators: list[str], show: Any, run: Any) -> int:
+    """``run(name)`` for each allocator, each report shown (or a JSON line) as it comes."""
+    from fragsim.report import clean_json
+
     reports = []
     for name in allocators:
-        report = run_validation(spec, name, device=device, shape=shape, scale=scale,
-                                attention_every=args.attention_every or (1 if cuda else 5),
-                                offset=args.offset)
+        report = run(name)
         reports.append(report)
         if args.json:
             sys.stdout.write(json.dumps(clean_json(report.to_dict())) + "\n")
             sys.stdout.flush()
         else:
-            _print(report)
+            show(report)
     return _finish(args, spec, allocators, reports)
 
 
@@ -153,7 +159,6 @@ def _finish(args: argparse.Namespace, spec: Any, allocators: list[str], reports:
 def _main_hybrid(args: argparse.Namespace, spec: Any, allocators: list[str], device: str,
                  scale: float) -> int:
     from fragsim.errors import FragsimError
-    from fragsim.report import clean_json
     from gpu_backend.validate import HybridShape, run_hybrid_validation
 
     try:
@@ -161,21 +166,17 @@ def _main_hybrid(args: argparse.Namespace, spec: Any, allocators: list[str], dev
                             head_dim=args.head_dim or 16, q_per_kv=args.q_per_kv, dtype=args.dtype)
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
-    reports = []
-    for name in allocators:
+    every = args.attention_every or (1 if device == "cuda" else 5)
+
+    def run(name: str) -> Any:
         try:
-            report = run_hybrid_validation(spec, name, device=device, shape=shape, scale=scale,
-                                           attention_every=args.attention_every or (1 if device == "cuda" else 5),
-                                           offset=args.offset, pool_bytes=args.pool_bytes)
+            return run_hybrid_validation(spec, name, device=device, shape=shape, scale=scale,
+                                         attention_every=every, offset=args.offset,
+                                         pool_bytes=args.pool_bytes)
         except ValueError as exc:
             raise FragsimError(f"allocator {name!r}: {exc}") from None
-        reports.append(report)
-        if args.json:
-            sys.stdout.write(json.dumps(clean_json(report.to_dict())) + "\n")
-            sys.stdout.flush()
-        else:
-            _print_hybrid(report)
-    return _finish(args, spec, allocators, reports)
+
+    return _run_all(args, spec, allocators, _print_hybrid, run)
 
 
 def _print_hybrid(report: Any) -> None:
