@@ -140,17 +140,28 @@ def test_jenga_stretches_under_pressure() -> None:
     np.testing.assert_array_equal(fast.finish, exact.finish)
 
 
-def test_counts_only_manager_gives_the_same_run() -> None:
-    """vllm-hybrid without block ids (the default unless an address map is drawn) makes
-    the same decisions and split as with them."""
-    spec = _spec("gemma-3-27b", 2 * GiB, n=300, rate=10.0)
+@pytest.mark.parametrize("name, model", [("vllm-hybrid", "gemma-3-27b"), ("jenga", "gpt-oss-20b"),
+                                         ("jenga", "mistral-7b-v0.1")])
+def test_counts_only_manager_gives_the_same_run(name: str, model: str) -> None:
+    """vllm-hybrid without block ids (the default unless an address map is drawn), and
+    jenga where every small page is a whole large page, make the same decisions and
+    split as with them (the counts checked at every step, check=True)."""
+    spec = _spec(model, 2 * GiB, n=300, rate=10.0)
     trace = load_workload(spec)
-    counts = make_engine(trace, "vllm-hybrid", spec, check=True)
+    counts = make_engine(trace, name, spec, check=True)
     assert not counts.manager.tracks_ids
     counts.run()
-    ids = make_engine(trace, "vllm-hybrid", RunSpec(**{**spec.to_dict(), "address_map": True,
-                                                      "time_window_s": None}), check=True)
+    ids = make_engine(trace, name, RunSpec(**{**spec.to_dict(), "address_map": True,
+                                              "time_window_s": None}))
     assert ids.manager.tracks_ids
     ids.run()
+    assert counts.preemptions.sum() > 0 or counts.manager.name == "vllm-hybrid"
     np.testing.assert_array_equal(counts.finish, ids.finish)
+    np.testing.assert_array_equal(counts.preemptions, ids.preemptions)
     np.testing.assert_allclose(counts.split_rec.means(), ids.split_rec.means(), rtol=1e-12)
+
+
+def test_jenga_keeps_ids_when_pages_are_carved() -> None:
+    """Gemma 3's small pages are parts of a large page: which page holds what matters."""
+    spec = _spec("gemma-3-27b", 2 * GiB, n=10)
+    assert make_engine(load_workload(spec), "jenga", spec).manager.tracks_ids

@@ -66,8 +66,9 @@ def create_manager(name: str, model: ModelConfig, gpu: GPUConfig, *, pool_bytes:
 
     ``block_size`` is the attention block in tokens (None: 16, and vLLM's backend
     default for ``vllm-hybrid``, which vLLM may inflate for state layers).
-    ``track_ids=False`` lets ``vllm-hybrid`` keep block counts only (faster; no
-    placements or address maps; the same results). ``prefix_caching`` is modelled for
+    ``track_ids=False`` lets ``vllm-hybrid``, and ``jenga`` where every small page is a
+    whole large page, keep counts only (faster; no placements or address maps; the
+    same results). ``prefix_caching`` is modelled for
     ``vllm-hybrid`` only (:mod:`fragsim.hybrid.vllm_prefix`; it keeps ids).
     """
     if name not in MANAGERS:
@@ -89,6 +90,6 @@ def create_manager(name: str, model: ModelConfig, gpu: GPUConfig, *, pool_bytes:
                                    pool_bytes, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs)
     rows = kind_rows(model, tp=tp, block_size=bs)
     if name == "jenga":
-        return JengaManager(rows, pool_bytes, max_seq_len=max_seq_len)
+        return JengaManager(rows, pool_bytes, max_seq_len=max_seq_len, track_ids=track_ids)
     # Prompts are placed whole at admission, so a step computes up to a whole prompt.
     return StaticPartitionManager(rows, pool_bytes, max_seq_len=max_seq_len, step_tokens=max_seq_len)

@@ -18,6 +18,11 @@ When the least common multiple is far larger than the pages (a Mamba state and
 a 16-token attention page rarely share many factors), small pages are padded up
 to multiples of a power of two until it is at most ``max_large_ratio`` times the
 largest page; the padding shows as ``padding``.
+
+When every small page is a whole large page (the kinds' pages are equal, as in
+gpt-oss or Mistral) and no address map is drawn, nothing depends on which large
+page a sequence holds, and the manager keeps the count of free large pages only
+(``track_ids=False``: the same results, faster).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ class JengaManager(HybridManager):
     """Two-level allocation: large pages for kinds, small pages for requests."""
 
     def __init__(self, rows: tuple[Row, ...], capacity: int, *, max_seq_len: int,
-                 max_large_ratio: int = 16, name: str = "jenga") -> None:
+                 max_large_ratio: int = 16, name: str = "jenga", track_ids: bool = True) -> None:
         self.large_page_bytes, padded = large_page(rows, max_large_ratio)
         super().__init__(name=name, placement="jenga", rows=padded, capacity=capacity,
                          max_seq_len=max_seq_len)
@@ -66,6 +71,36 @@ class JengaManager(HybridManager):
         # (seq, row) -> its large pages of that row with a free small page
         self._open_of: dict[tuple[int, int], dict[int, None]] = {}
         self._num_used = 0                               # small pages held, kept as they move
+        #: False: small pages are whole large pages and only the free ones are counted
+        self.tracks_ids = track_ids or any(p > 1 for p in self.per_large)
+        self._free_count = self.num_large
+
+    # ------------------------------------------------ counts (whole large pages)
+
+    def _counts_only(self) -> bool:
+        return not self.tracks_ids
+
+    def _count_moves(self, frees: int, takes: int) -> None:
+        self._free_count += frees - takes
+        if self._free_count < 0:
+            raise AssertionError("a page move failed inside a stretch that had room for it")
+
+    def _fits_moves(self, takes: list[list[int]]) -> bool:
+        if self.tracks_ids:
+            return super()._fits_moves(takes)
+        return sum(map(sum, takes)) <= self._free_count
+
+    def _place_moves(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
+        if self.tracks_ids:
+            super()._place_moves(seqs, frees, takes)
+            return
+        self._count_moves(sum(map(sum, frees)), sum(map(sum, takes)))
+
+    def _place_many(self, seqs: np.ndarray, frees: np.ndarray, takes: np.ndarray) -> None:
+        if self.tracks_ids:
+            super()._place_many(seqs, frees, takes)
+            return
+        self._count_moves(int(frees.sum()), int(takes.sum()))
 
     # ------------------------------------------------------------- placement
 
@@ -161,6 +196,12 @@ class JengaManager(HybridManager):
             self._free_large.append(page)
 
     def _place(self, seq: int, frees: list[int], takes: list[int]) -> bool:
+        if not self.tracks_ids:
+            # whole pages: a row's own frees cover its takes, the rest opens free pages
+            if sum(t - f for t, f in zip(takes, frees, strict=True) if t > f) > self._free_count:
+                return False
+            self._free_count += sum(frees) - sum(takes)
+            return True
         if not self._can_take_with(takes, frees):
             return False
         tables = self._tables.setdefault(seq, [[] for _ in self.rows])
@@ -175,6 +216,9 @@ class JengaManager(HybridManager):
         return True
 
     def _release(self, seq: int) -> None:
+        if not self.tracks_ids:
+            self._free_count += int((self._hi[:, seq] - self._lo[:, seq]).sum())
+            return
         for i, table in enumerate(self._tables.pop(seq, [])):
             for small in table:
                 self._give_back(seq, i, small)
@@ -183,12 +227,14 @@ class JengaManager(HybridManager):
 
     def num_used_blocks(self) -> int:
         """Small pages held."""
-        return self._num_used
+        return self._num_used if self.tracks_ids else self.num_large - self._free_count
 
     def num_free_large(self) -> int:
-        return len(self._free_large)
+        return len(self._free_large) if self.tracks_ids else self._free_count
 
     def _free_bytes(self) -> list[int]:
+        if not self.tracks_ids:
+            return [0] * len(self.rows) + [self._free_count * self.large_page_bytes]
         out = [self._available(i) * r.block_bytes for i, r in enumerate(self.rows)]
         return out + [len(self._free_large) * self.large_page_bytes]
 
@@ -196,9 +242,13 @@ class JengaManager(HybridManager):
         return self.capacity - self.num_large * self.large_page_bytes
 
     def _can_take(self, takes: list[int]) -> bool:
+        if not self.tracks_ids:
+            return sum(takes) <= self._free_count
         return self._can_take_with(takes, [0] * len(takes))
 
     def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray, per_seq: np.ndarray) -> int:
+        if not self.tracks_ids:
+            return self._whole_pages_fit(takes, frees)
         """Safe for request-aware placement, which opens a fresh large page whenever a
         request's own pages of a kind are full and one is free: the stretch goes on
         while even that many openings (each request's takes, ``per_large`` a page)
@@ -212,22 +262,51 @@ class JengaManager(HybridManager):
         bad = np.flatnonzero(~ok)
         return int(bad[0]) if len(bad) else len(takes)
 
+    def _whole_pages_fit(self, takes: np.ndarray, frees: np.ndarray) -> int:
+        """:meth:`_stretch_fits` of whole pages: a step's takes fit the pages free before
+        it (earlier steps' frees count, its own do not: each move then needs no more
+        than is free when it comes)."""
+        free, freed, taken = self._free_count, 0, 0
+        for j, (t, f) in enumerate(zip(takes.sum(axis=1).tolist(), frees.sum(axis=1).tolist(), strict=True)):
+            taken += t
+            if taken > free + freed:
+                return j
+            freed += f
+        return len(takes)
+
+    def _stretch_admits(self, takes: np.ndarray, frees: np.ndarray, head: list[int]) -> int:
+        if self.tracks_ids:
+            return super()._stretch_admits(takes, frees, head)
+        free, need = self._free_count, sum(head)
+        for j, d in enumerate((frees.sum(axis=1) - takes.sum(axis=1)).tolist()):
+            free += d
+            if free >= need:
+                return j
+        return len(takes)
+
     def _fits_empty(self, takes: list[int]) -> bool:
         return sum(-(-t // p) for t, p in zip(takes, self.per_large, strict=True)) <= self.num_large
 
     def largest_allocatable(self) -> int:
         """Whole free large pages: what any kind can still be given."""
-        return len(self._free_large) * self.large_page_bytes
+        return self.num_free_large() * self.large_page_bytes
 
     def _block_ids(self, seq: int, row: int) -> list[int]:
+        if not self.tracks_ids:
+            raise ValueError("this jenga manager keeps page counts only (track_ids=False)")
         tables = self._tables.get(seq)
         return list(tables[row]) if tables else []
 
     def unit_rows(self) -> np.ndarray:
         """Large pages: the row each is carved for, −1 where whole and free."""
+        if not self.tracks_ids:
+            raise ValueError("this jenga manager keeps page counts only (track_ids=False)")
         return np.array(self._kind_of, dtype=np.int64)
 
     def _check_pool(self) -> None:
+        if not self.tracks_ids:
+            assert self._free_count + sum(self.held_blocks) == self.num_large, "large pages lost"
+            return
         assert self._num_used == sum(len(t) for tables in self._tables.values() for t in tables), "used pages"
         carved = [p for p in range(self.num_large) if self._kind_of[p] >= 0]
         assert sorted(carved + self._free_large) == list(range(self.num_large)), "large pages lost"
