@@ -232,6 +232,7 @@ class HybridManager:
         self._state_rows = [i for i, si in enumerate(self._row_shape) if si < 0]
         self._rows_per_shape = [len(members) for _, members, *_ in self._attn_shapes]
         self._head_takes: dict[int, list[int]] = {}   # a fresh sequence's takes, by its tokens
+        self._stalled = False   # whether the last stretch could not take its first step
         self._has_state_rows = bool(self._state_rows)
         self._shape_of_rows = np.array([max(si, 0) for si in self._row_shape], dtype=np.int64)
 
@@ -587,9 +588,10 @@ class HybridManager:
         tail_of = self._tail_of
         shape_rows = [rows for _, rows, *_ in shapes]
         moves: list[tuple[int, int, int, list[int], list[int], list[int], list[int]]] = []
-        # A stretch that cannot take its first step is common under memory pressure: its
-        # first step alone (the limits read no later step to stop there) is tried first.
-        for kk in ((1, k) if k > 1 and 0 in m_j0 else (k,)):
+        # Under memory pressure a stretch often cannot take its first step, and stretches
+        # stall in runs: after one that stalled, the first step alone (the limits read no
+        # later step to stop there) is tried first.
+        for kk in ((1, k) if self._stalled and k > 1 and 0 in m_j0 else (k,)):
             step_takes = np.zeros((kk, S), dtype=np.int64)   # per shape, then per row
             step_frees = np.zeros((kk, S), dtype=np.int64)
             d_sums = np.zeros((3, kk, S), dtype=np.int64)     # held, floor (blocks), tail
@@ -673,6 +675,7 @@ class HybridManager:
                 limit = min(limit, self._stretch_admits(step_takes, step_frees, head))
             if limit == 0:
                 break
+        self._stalled = limit == 0
         k = min(k, limit)
         empty = np.zeros((0, R + 1, len(CATEGORIES)), dtype=np.int64)
         if k <= 0:

@@ -133,9 +133,11 @@ class HybridKV:
                      largest: np.ndarray, used: np.ndarray, running: int, waiting: np.ndarray) -> None:
         """A stretch's splits, ``[steps, rows + pool, categories]``, step by step."""
         free = splits[:, :, FREE].sum(axis=1)
+        # Every free byte allocatable at every step (None): the ratio is 0 without dividing.
+        all_free = self._largest_is_free or bool((largest == free).all())
         rec.record_steps(now, dts, splits[:, :, TOKEN].sum(axis=1), self.manager.capacity - free,
                          splits[:, :, HELD_ELSEWHERE].sum(axis=(1, 2)),
-                         None if self._largest_is_free else largest, running, waiting)
+                         None if all_free else largest, running, waiting)
         self.split_rec.record_steps(now, dts, splits, used)
 
     def split(self, token_states: int) -> tuple[int, int, int, int]:

@@ -78,17 +78,22 @@ class SplitRecorder:
         acc = self._integral
         for i, v in enumerate(flat):
             acc[i] += v
-        self._peak = np.maximum(self._peak, splits.max(axis=0).ravel()).tolist()
+        top = self._peak
+        for i, v in enumerate(splits.max(axis=0).ravel().tolist()):
+            if v > top[i]:
+                top[i] = v
         span = float(dts.sum())
         self._span += span
         self._used_blocks += float(np.dot(dts, used_blocks))
         if self.resolution_s is None:
             return
-        starts = t0 + np.concatenate(([0.0], np.cumsum(dts)[:-1]))
-        index = (starts // self.resolution_s).astype(np.int64)
-        if index[0] == index[-1]:
-            self._bucket(int(index[0]), flat, span)
+        ends = np.cumsum(dts)
+        first = t0 // self.resolution_s
+        if len(dts) == 1 or (t0 + float(ends[-2])) // self.resolution_s == first:   # one bucket
+            self._bucket(int(first), flat, span)
             return
+        starts = t0 + np.concatenate(([0.0], ends[:-1]))
+        index = (starts // self.resolution_s).astype(np.int64)
         for b in np.unique(index).tolist():
             sel = index == b
             self._bucket(b, np.tensordot(dts[sel], splits[sel], axes=(0, 0)).ravel().tolist(),
