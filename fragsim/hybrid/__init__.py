@@ -66,9 +66,9 @@ def create_manager(name: str, model: ModelConfig, gpu: GPUConfig, *, pool_bytes:
 
     ``block_size`` is the attention block in tokens (None: 16, and vLLM's backend
     default for ``vllm-hybrid``, which vLLM may inflate for state layers).
-    ``track_ids=False`` lets ``vllm-hybrid``, and ``jenga`` where every small page is a
-    whole large page, keep counts only (faster; no placements or address maps; the
-    same results). ``prefix_caching`` is modelled for
+    ``track_ids=False`` lets a manager keep block counts only (``jenga`` where every
+    small page is a whole large page): faster, no placements or address maps, the same
+    results. ``prefix_caching`` is modelled for
     ``vllm-hybrid`` only (:mod:`fragsim.hybrid.vllm_prefix`; it keeps ids).
     """
     if name not in MANAGERS:
@@ -87,9 +87,11 @@ def create_manager(name: str, model: ModelConfig, gpu: GPUConfig, *, pool_bytes:
     bs = 16 if block_size is None else block_size
     if name == "paged-uniform":
         return PagedUniformManager(kind_rows(model, tp=tp, block_size=bs, frees_window=False),
-                                   pool_bytes, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs)
+                                   pool_bytes, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
+                                   track_ids=track_ids)
     rows = kind_rows(model, tp=tp, block_size=bs)
     if name == "jenga":
         return JengaManager(rows, pool_bytes, max_seq_len=max_seq_len, track_ids=track_ids)
     # Prompts are placed whole at admission, so a step computes up to a whole prompt.
-    return StaticPartitionManager(rows, pool_bytes, max_seq_len=max_seq_len, step_tokens=max_seq_len)
+    return StaticPartitionManager(rows, pool_bytes, max_seq_len=max_seq_len, step_tokens=max_seq_len,
+                                  track_ids=track_ids)

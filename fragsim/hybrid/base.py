@@ -231,6 +231,10 @@ class HybridManager:
                 self._row_shape[i] = si
         self._state_rows = [i for i, si in enumerate(self._row_shape) if si < 0]
         self._rows_per_shape = [len(members) for _, members, *_ in self._attn_shapes]
+        self._rows_per_shape_arr = np.array(self._rows_per_shape, dtype=np.int64)
+        # Each attention shape's rows as an index into the [rows, seqs] arrays.
+        self._shape_index = [members[0] if len(members) == 1 else np.array(members)[:, None]
+                             for _, members, *_ in self._attn_shapes]
         self._head_takes: dict[int, list[int]] = {}   # a fresh sequence's takes, by its tokens
         self._stalled = False   # whether the last stretch could not take its first step
         self._has_state_rows = bool(self._state_rows)
@@ -680,47 +684,16 @@ class HybridManager:
         empty = np.zeros((0, R + 1, len(CATEGORIES)), dtype=np.int64)
         if k <= 0:
             return 0, empty, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.full(n, -1)
-        # Block ids, move by move in exact-mode order (step, then request); the pool's free
-        # memory after each step that moved any.
-        if moves:
-            req_of = reqs.tolist()
-            moves = sorted((mv for mv in moves if mv[0] < k), key=lambda mv: (mv[0], req_of[mv[1]], mv[1]))
-        seq_list = seqs.tolist()
-        row_of = self._row_shape
-        counts_only = self._counts_only()
-        snapshot = (self._free_bytes(), self.largest_allocatable(), self.num_used_blocks())
-        snaps, at = [snapshot], [0]
-        i = 0
-        while i < len(moves):
-            j = moves[i][0]
-            if counts_only:
-                while i < len(moves) and moves[i][0] == j:
-                    i += 1
-                self._count_moves(sum(x * r for x, r in zip(sf_rows[j], self._rows_per_shape, strict=True)),
-                                  sum(x * r for x, r in zip(st_rows[j], self._rows_per_shape, strict=True)))
-            else:
-                first = i
-                while i < len(moves) and moves[i][0] == j:
-                    i += 1
-                step = moves[first:i]
-                frs_s = [[mv[5][si] for mv in step] for si in range(S)]
-                tks_s = [[mv[6][si] for mv in step] for si in range(S)]
-                zero = [0] * len(step)
-                self._place_moves([seq_list[mv[1]] for mv in step],
-                                  [frs_s[si] if si >= 0 else zero for si in row_of],
-                                  [tks_s[si] if si >= 0 else zero for si in row_of])
-            snaps.append((self._free_bytes(), self.largest_allocatable(), self.num_used_blocks()))
-            at.append(j)
-        if len(snaps) == 1:
-            free_rows = np.broadcast_to(np.array(snapshot[0], dtype=np.int64), (k, R + 1))
-            largest = np.full(k, snapshot[1], dtype=np.int64)
-            used = np.full(k, snapshot[2], dtype=np.int64)
+        if self._counts_only():
+            # Counts: the moves of a step add up in any order, and the free units after
+            # each step are a running sum.
+            if any(mv[0] >= k for mv in moves):
+                moves = [mv for mv in moves if mv[0] < k]
+            free_rows, largest, used = self._count_steps(np.array(sf_rows[:k], dtype=np.int64).reshape(k, S),
+                                                         np.array(st_rows[:k], dtype=np.int64).reshape(k, S))
         else:
-            # Step j holds the state after the last step at or before it that moved.
-            which = np.searchsorted(np.array(at[1:], dtype=np.int64), np.arange(k), side="right")
-            free_rows = np.array([sn[0] for sn in snaps], dtype=np.int64)[which]
-            largest = np.array([sn[1] for sn in snaps], dtype=np.int64)[which]
-            used = np.array([sn[2] for sn in snaps], dtype=np.int64)[which]
+            free_rows, largest, used = self._place_stretch(moves, k, seqs, reqs)
+            moves = [mv for mv in moves if mv[0] < k]
         # Commit each sequence's blocks after its last move, and the sums.
         last_target = np.full(n, -1, dtype=np.int64)
         final_state: dict[int, tuple[int, list[int], list[int]]] = {}
@@ -734,8 +707,7 @@ class HybridManager:
             last_target[cols] = [st[0] for st in states]
             new_lo = np.array([st[1] for st in states], dtype=np.int64).T   # [S, moved]
             new_hi = np.array([st[2] for st in states], dtype=np.int64).T
-            for si, rows in enumerate(shape_rows):
-                index = rows[0] if len(rows) == 1 else np.array(rows)[:, None]
+            for si, index in enumerate(self._shape_index):
                 self._lo[index, touched] = new_lo[si]
                 self._hi[index, touched] = new_hi[si]
             self._q[touched] = last_target[cols]
@@ -797,6 +769,43 @@ class HybridManager:
         out[:, -1, PADDING] = self._fixed_padding()
         return k, out, largest, used, last_target
 
+    def _place_stretch(self, moves: list, k: int, seqs: np.ndarray,
+                       reqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Block ids of a stretch's first ``k`` steps, move by move in exact-mode order
+        (step, then request); per step, the pool's free bytes per row, largest
+        allocatable and used blocks after it."""
+        R, S = len(self.rows), len(self._attn_shapes)
+        if moves:
+            req_of = reqs.tolist()
+            moves = sorted((mv for mv in moves if mv[0] < k), key=lambda mv: (mv[0], req_of[mv[1]], mv[1]))
+        seq_list = seqs.tolist()
+        row_of = self._row_shape
+        snapshot = (self._free_bytes(), self.largest_allocatable(), self.num_used_blocks())
+        snaps, at = [snapshot], [0]
+        i = 0
+        while i < len(moves):
+            j = moves[i][0]
+            first = i
+            while i < len(moves) and moves[i][0] == j:
+                i += 1
+            step = moves[first:i]
+            frs_s = [[mv[5][si] for mv in step] for si in range(S)]
+            tks_s = [[mv[6][si] for mv in step] for si in range(S)]
+            zero = [0] * len(step)
+            self._place_moves([seq_list[mv[1]] for mv in step],
+                              [frs_s[si] if si >= 0 else zero for si in row_of],
+                              [tks_s[si] if si >= 0 else zero for si in row_of])
+            snaps.append((self._free_bytes(), self.largest_allocatable(), self.num_used_blocks()))
+            at.append(j)
+        if len(snaps) == 1:
+            return (np.broadcast_to(np.array(snapshot[0], dtype=np.int64), (k, R + 1)),
+                    np.full(k, snapshot[1], dtype=np.int64), np.full(k, snapshot[2], dtype=np.int64))
+        # Step j holds the state after the last step at or before it that moved.
+        which = np.searchsorted(np.array(at[1:], dtype=np.int64), np.arange(k), side="right")
+        return (np.array([sn[0] for sn in snaps], dtype=np.int64)[which],
+                np.array([sn[1] for sn in snaps], dtype=np.int64)[which],
+                np.array([sn[2] for sn in snaps], dtype=np.int64)[which])
+
     #: a stretch over more than this many (moving sequences × steps) finds its moves in numpy
     #: (a long stretch of many sequences: the loop's cost grows with the moves, numpy's less)
     _STRETCH_EVENTS_NP = 2048
@@ -848,12 +857,28 @@ class HybridManager:
     _needs_per_seq = True
 
     def _counts_only(self) -> bool:
-        """Whether the pool keeps block counts only (moves then add up, :meth:`_count_moves`)."""
+        """Whether the pool keeps block counts only (a stretch's moves then add up,
+        :meth:`_count_steps`)."""
         return False
 
-    def _count_moves(self, frees: int, takes: int) -> None:
-        """A step's blocks freed and taken, in a pool that keeps counts only."""
+    def _count_steps(self, frees: np.ndarray, takes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Steps in which each row of attention shape ``s`` frees ``frees[j, s]`` blocks and
+        takes ``takes[j, s]``, applied to a counts-only pool: per step, the free bytes per
+        row, largest allocatable and used blocks after it."""
         raise NotImplementedError
+
+    def _count_one_pool(self, frees: np.ndarray, takes: np.ndarray, unit_bytes: int,
+                        num_units: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`_count_steps` of one pool of ``num_units`` units, one a block of any row,
+        counted in ``self._free_count`` (every free byte allocatable)."""
+        free = self._free_count + np.cumsum((frees - takes) @ self._rows_per_shape_arr)
+        if len(free) and int(free.min()) < 0:
+            raise AssertionError("a block move failed inside a stretch that had room for it")
+        if len(free):
+            self._free_count = int(free[-1])
+        free_rows = np.zeros((len(free), len(self.rows) + 1), dtype=np.int64)
+        free_rows[:, -1] = free * unit_bytes
+        return free_rows, free_rows[:, -1].copy(), num_units - free
 
     def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray, per_seq: np.ndarray) -> int:
         """The first step whose takes might not fit, given each step's takes and frees

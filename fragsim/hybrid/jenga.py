@@ -85,6 +85,9 @@ class JengaManager(HybridManager):
         if self._free_count < 0:
             raise AssertionError("a page move failed inside a stretch that had room for it")
 
+    def _count_steps(self, frees: np.ndarray, takes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._count_one_pool(frees, takes, self.large_page_bytes, self.num_large)
+
     def _fits_moves(self, takes: list[list[int]]) -> bool:
         if self.tracks_ids:
             return super()._fits_moves(takes)

@@ -8,6 +8,9 @@ show as ``out_of_window``. State layers (Mamba, linear attention) get what vLLM'
 engine gave them before its hybrid manager: a state array for ``max_num_seqs``
 sequences carved out of the memory up front, each running sequence taking one
 slot; an unused slot is free memory that only a state can use.
+
+Without an address map (``track_ids=False``) the pool keeps the free block and
+slot counts only: the same results, faster.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ class PagedUniformManager(HybridManager):
     """Uniform blocks for all attention layers; a static state slot per sequence."""
 
     def __init__(self, rows: tuple[Row, ...], capacity: int, *, max_seq_len: int,
-                 max_num_seqs: int, name: str = "paged-uniform") -> None:
+                 max_num_seqs: int, name: str = "paged-uniform", track_ids: bool = True) -> None:
         attention = [r for r in rows if not r.is_state]
         if len({r.block_tokens for r in attention}) > 1:
             raise ValueError("paged-uniform needs one block size for every attention row")
@@ -44,9 +47,34 @@ class PagedUniformManager(HybridManager):
         self._state_free = list(range(self.num_state_slots))
         self._blocks: dict[int, list[int]] = {}
         self._slot: dict[int, int] = {}
+        #: False: only the free blocks and state slots are counted
+        self.tracks_ids = track_ids
+        self._free_count = self.num_blocks
+        self._free_slots = self.num_state_slots
+
+    def _counts_only(self) -> bool:
+        return not self.tracks_ids
+
+    def _count_steps(self, frees: np.ndarray, takes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Counts: a step takes its attention rows' blocks once (one uniform block holds
+        every attention layer), and decode steps take no state slot."""
+        k = len(takes)
+        free = self._free_count - np.cumsum(takes[:, 0]) if self._attention else np.full(k, self._free_count)
+        if k and int(free.min()) < 0:
+            raise AssertionError("a block move failed inside a stretch that had room for it")
+        if k:
+            self._free_count = int(free[-1])
+        free_rows = np.zeros((k, len(self.rows) + 1), dtype=np.int64)
+        for i in self._states:
+            free_rows[:, i] = self._free_slots * self.rows[i].block_bytes
+        free_rows[:, -1] = free * self.uniform_block_bytes
+        return free_rows, free_rows[:, -1].copy(), self.num_blocks - free
 
     def num_free_blocks(self) -> int:
-        return len(self._queue) - self._head
+        return len(self._queue) - self._head if self.tracks_ids else self._free_count
+
+    def num_free_slots(self) -> int:
+        return len(self._state_free) if self.tracks_ids else self._free_slots
 
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks()
@@ -64,6 +92,12 @@ class PagedUniformManager(HybridManager):
     def _place(self, seq: int, frees: list[int], takes: list[int]) -> bool:
         assert not any(frees), "paged-uniform frees no block before the sequence ends"
         blocks, states = self._takes(takes)
+        if not self.tracks_ids:
+            if blocks > self._free_count or states > self._free_slots:
+                return False
+            self._free_count -= blocks
+            self._free_slots -= states
+            return True
         queue, head = self._queue, self._head
         if blocks > len(queue) - head or states > len(self._state_free):
             return False
@@ -84,6 +118,16 @@ class PagedUniformManager(HybridManager):
             self._slot[seq] = self._state_free.pop(0)
         return True
 
+    def _fits_moves(self, takes: list[list[int]]) -> bool:
+        """:meth:`_stretch_fits` of one step, in plain ints (a decode step takes no state)."""
+        return not self._attention or sum(takes[self._attention[0]]) <= self.num_free_blocks()
+
+    def _place_many(self, seqs: np.ndarray, frees: np.ndarray, takes: np.ndarray) -> None:
+        if self.tracks_ids:
+            super()._place_many(seqs, frees, takes)
+            return
+        self._place_moves(seqs.tolist(), frees.tolist(), takes.tolist())
+
     def _place_moves(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
         """:meth:`_place` of each moving sequence in turn, known to fit."""
         att = self._attention
@@ -91,6 +135,13 @@ class PagedUniformManager(HybridManager):
             super()._place_moves(seqs, frees, takes)
             return
         per_seq = takes[att[0]] if len(att) == 1 else [max(c) for c in zip(*(takes[i] for i in att), strict=True)]
+        if not self.tracks_ids:
+            states = sum(max(c) for c in zip(*(takes[i] for i in self._states), strict=True)) if self._states else 0
+            self._free_count -= sum(per_seq)
+            self._free_slots -= states
+            if self._free_count < 0 or self._free_slots < 0:
+                raise AssertionError("advance_many ran out of blocks it was told were free")
+            return
         if self._states:
             states = [max(c) for c in zip(*(takes[i] for i in self._states), strict=True)]
             for seq, n in zip(seqs, states, strict=True):
@@ -116,6 +167,13 @@ class PagedUniformManager(HybridManager):
         self._head = head
 
     def _release(self, seq: int) -> None:
+        if not self.tracks_ids:
+            if self._attention:
+                i = self._attention[0]
+                self._free_count += int(self._hi[i, seq] - self._lo[i, seq])
+            if self._states:
+                self._free_slots += int(self._hi[self._states[0], seq] - self._lo[self._states[0], seq])
+            return
         self._queue.extend(self._blocks.pop(seq, []))
         if seq in self._slot:
             self._state_free.append(self._slot.pop(seq))
@@ -123,7 +181,7 @@ class PagedUniformManager(HybridManager):
     def _free_bytes(self) -> list[int]:
         out = [0] * (len(self.rows) + 1)
         for i in self._states:
-            out[i] = len(self._state_free) * self.rows[i].block_bytes
+            out[i] = self.num_free_slots() * self.rows[i].block_bytes
         out[-1] = self.num_free_blocks() * self.uniform_block_bytes
         return out
 
@@ -133,7 +191,7 @@ class PagedUniformManager(HybridManager):
 
     def _can_take(self, takes: list[int]) -> bool:
         blocks, states = self._takes(takes)
-        return blocks <= self.num_free_blocks() and states <= len(self._state_free)
+        return blocks <= self.num_free_blocks() and states <= self.num_free_slots()
 
     _needs_per_seq = False
 
@@ -152,6 +210,8 @@ class PagedUniformManager(HybridManager):
         return self.num_free_blocks() * self.uniform_block_bytes
 
     def _block_ids(self, seq: int, row: int) -> list[int]:
+        if not self.tracks_ids:
+            raise ValueError("this paged-uniform manager keeps block counts only (track_ids=False)")
         if self.rows[row].is_state:
             return [self._slot[seq]] if seq in self._slot else []
         return list(self._blocks.get(seq, []))
@@ -163,6 +223,8 @@ class PagedUniformManager(HybridManager):
     def unit_rows(self) -> np.ndarray:
         """The uniform blocks (every attention layer: the index after the rows), then
         the state slots."""
+        if not self.tracks_ids:
+            raise ValueError("this paged-uniform manager keeps block counts only (track_ids=False)")
         blocks = np.full(self.num_blocks, -1, dtype=np.int64)
         for ids in self._blocks.values():
             blocks[ids] = len(self.rows)
@@ -172,6 +234,12 @@ class PagedUniformManager(HybridManager):
         return np.concatenate((blocks, slots))
 
     def _check_pool(self) -> None:
+        if not self.tracks_ids:
+            held = [self.held_blocks[i] for i in self._attention]
+            assert self._free_count + (held[0] if held else 0) == self.num_blocks, "uniform blocks lost"
+            slots = [self.held_blocks[i] for i in self._states]
+            assert self._free_slots + (slots[0] if slots else 0) == self.num_state_slots, "state slots lost"
+            return
         free = self._queue[self._head:]
         held = [b for t in self._blocks.values() for b in t]
         assert sorted(free + held) == list(range(self.num_blocks)), "uniform blocks lost or doubled"

@@ -13,7 +13,9 @@ vLLM sizes a request's worst case, with ``T`` tokens computed in one step::
 
 so a workload of long requests fills every pool together, and any other mix
 leaves one pool short while another has room. A pool's free blocks count as that
-row's free memory; no other row can use them.
+row's free memory; no other row can use them. Without an address map
+(``track_ids=False``) each pool keeps its free block count only: the same
+results, faster.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class StaticPartitionManager(HybridManager):
     """One FIFO paged pool per row, in a fixed share of the memory."""
 
     def __init__(self, rows: tuple[Row, ...], capacity: int, *, max_seq_len: int,
-                 step_tokens: int, name: str = "static-partition") -> None:
+                 step_tokens: int, name: str = "static-partition", track_ids: bool = True) -> None:
         super().__init__(name=name, placement="static-partition", rows=rows, capacity=capacity,
                          max_seq_len=max_seq_len)
         weights = [max_blocks(r, max_seq_len, step_tokens) * r.block_bytes for r in rows]
@@ -56,14 +58,52 @@ class StaticPartitionManager(HybridManager):
         self._free = [list(range(n)) for n in self.num_blocks]
         self._head = [0] * len(rows)
         self._tables: dict[int, list[list[int]]] = {}
+        #: False: each pool counts its free blocks only
+        self.tracks_ids = track_ids
+        self._free_count = list(self.num_blocks)
 
     def free_blocks(self, row: int) -> int:
-        return len(self._free[row]) - self._head[row]
+        return len(self._free[row]) - self._head[row] if self.tracks_ids else self._free_count[row]
+
+    def _counts_only(self) -> bool:
+        return not self.tracks_ids
+
+    def _count_steps(self, frees: np.ndarray, takes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        k, R = len(takes), len(self.rows)
+        free = np.zeros((k, R), dtype=np.int64)
+        for i in range(R):
+            si = self._row_shape[i]
+            free[:, i] = self._free_count[i] if si < 0 else \
+                self._free_count[i] + np.cumsum(frees[:, si] - takes[:, si])
+        if k:
+            if int(free.min()) < 0:
+                raise AssertionError("a block move failed inside a stretch that had room for it")
+            self._free_count = free[-1].tolist()
+        free_rows = np.zeros((k, R + 1), dtype=np.int64)
+        free_rows[:, :R] = free * np.array([r.block_bytes for r in self.rows], dtype=np.int64)
+        frac = (free / np.array(self.num_blocks, dtype=np.float64)).min(axis=1)
+        # largest_allocatable's int(frac · capacity), step by step
+        largest = np.minimum(free_rows.sum(axis=1), np.array([int(f * self.capacity) for f in frac.tolist()],
+                                                             dtype=np.int64))
+        return free_rows, largest, sum(self.num_blocks) - free.sum(axis=1)
+
+    def _place_many(self, seqs: np.ndarray, frees: np.ndarray, takes: np.ndarray) -> None:
+        if self.tracks_ids:
+            super()._place_many(seqs, frees, takes)
+            return
+        self._place_moves(seqs.tolist(), frees.tolist(), takes.tolist())
 
     def num_used_blocks(self) -> int:
         return sum(n - self.free_blocks(i) for i, n in enumerate(self.num_blocks))
 
     def _place(self, seq: int, frees: list[int], takes: list[int]) -> bool:
+        if not self.tracks_ids:
+            count = self._free_count
+            if any(t and t > count[i] + frees[i] for i, t in enumerate(takes)):
+                return False
+            for i, (f, t) in enumerate(zip(frees, takes, strict=True)):
+                count[i] += f - t
+            return True
         pools, heads = self._free, self._head
         for i, t in enumerate(takes):
             if t and t > len(pools[i]) - heads[i] + frees[i]:
@@ -88,9 +128,20 @@ class StaticPartitionManager(HybridManager):
                 self._head[i] = head
         return True
 
+    def _fits_moves(self, takes: list[list[int]]) -> bool:
+        """:meth:`_stretch_fits` of one step, in plain ints: each pool holds its row's takes."""
+        return all(sum(t) <= self.free_blocks(i) for i, t in enumerate(takes))
+
     def _place_moves(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
         """The moves row by row: a row's pool sees the same frees and takes in the same
         order as sequence by sequence (pools are per row), known to fit."""
+        if not self.tracks_ids:
+            count = self._free_count
+            for i, (row_frees, row_takes) in enumerate(zip(frees, takes, strict=True)):
+                count[i] += sum(row_frees) - sum(row_takes)
+                if count[i] < 0:
+                    raise AssertionError("advance_many ran out of blocks it was told were free")
+            return
         tables = self._tables
         for i, (queue, row_frees, row_takes) in enumerate(zip(self._free, frees, takes, strict=True)):
             if not any(row_frees) and not any(row_takes):
@@ -117,6 +168,10 @@ class StaticPartitionManager(HybridManager):
             self._head[i] = head
 
     def _release(self, seq: int) -> None:
+        if not self.tracks_ids:
+            held = (self._hi[:, seq] - self._lo[:, seq]).tolist()
+            self._free_count = [c + h for c, h in zip(self._free_count, held, strict=True)]
+            return
         for queue, table in zip(self._free, self._tables.pop(seq, []), strict=False):
             queue.extend(reversed(table))
 
@@ -171,11 +226,15 @@ class StaticPartitionManager(HybridManager):
         return min(self.num_free(), int(frac * self.capacity))
 
     def _block_ids(self, seq: int, row: int) -> list[int]:
+        if not self.tracks_ids:
+            raise ValueError("this static-partition manager keeps block counts only (track_ids=False)")
         tables = self._tables.get(seq)
         return list(tables[row]) if tables else []
 
     def unit_rows(self) -> np.ndarray:
         """Each row's pool in turn, its blocks in id order."""
+        if not self.tracks_ids:
+            raise ValueError("this static-partition manager keeps block counts only (track_ids=False)")
         parts = []
         for i, n in enumerate(self.num_blocks):
             part = np.full(n, -1, dtype=np.int64)
@@ -185,6 +244,10 @@ class StaticPartitionManager(HybridManager):
         return np.concatenate(parts)
 
     def _check_pool(self) -> None:
+        if not self.tracks_ids:
+            for i, n in enumerate(self.num_blocks):
+                assert self._free_count[i] + self.held_blocks[i] == n, f"row {self.rows[i].label}: blocks lost"
+            return
         for i, n in enumerate(self.num_blocks):
             free = self._free[i][self._head[i]:]
             held = [b for t in self._tables.values() for b in t[i]]

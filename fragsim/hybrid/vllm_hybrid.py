@@ -111,10 +111,8 @@ class VllmHybridManager(HybridManager):
     def _counts_only(self) -> bool:
         return not self.tracks_ids
 
-    def _count_moves(self, frees: int, takes: int) -> None:
-        self._free_count += frees - takes
-        if self._free_count < 0:
-            raise AssertionError("a block move failed inside a stretch that had room for it")
+    def _count_steps(self, frees: np.ndarray, takes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._count_one_pool(frees, takes, self.bytes_per_block, self.num_blocks - 1)
 
     def _fits_moves(self, takes: list[list[int]]) -> bool:
         return sum(map(sum, takes)) <= self.num_free_blocks()
