@@ -171,6 +171,8 @@ class HybridManager:
     grows_on_demand = True
     #: whether block ids are kept (placement(), address maps); a subclass may keep counts only
     tracks_ids = True
+    #: a counts-only pool's free blocks (:meth:`_count_one_pool`)
+    _free_count: int
 
     def __init__(self, *, name: str, placement: str, rows: tuple[Row, ...], capacity: int,
                  max_seq_len: int) -> None:

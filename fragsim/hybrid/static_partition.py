@@ -60,10 +60,10 @@ class StaticPartitionManager(HybridManager):
         self._tables: dict[int, list[list[int]]] = {}
         #: False: each pool counts its free blocks only
         self.tracks_ids = track_ids
-        self._free_count = list(self.num_blocks)
+        self._free_per_row = list(self.num_blocks)
 
     def free_blocks(self, row: int) -> int:
-        return len(self._free[row]) - self._head[row] if self.tracks_ids else self._free_count[row]
+        return len(self._free[row]) - self._head[row] if self.tracks_ids else self._free_per_row[row]
 
     def _counts_only(self) -> bool:
         return not self.tracks_ids
@@ -73,12 +73,12 @@ class StaticPartitionManager(HybridManager):
         free = np.zeros((k, R), dtype=np.int64)
         for i in range(R):
             si = self._row_shape[i]
-            free[:, i] = self._free_count[i] if si < 0 else \
-                self._free_count[i] + np.cumsum(frees[:, si] - takes[:, si])
+            free[:, i] = self._free_per_row[i] if si < 0 else \
+                self._free_per_row[i] + np.cumsum(frees[:, si] - takes[:, si])
         if k:
             if int(free.min()) < 0:
                 raise AssertionError("a block move failed inside a stretch that had room for it")
-            self._free_count = free[-1].tolist()
+            self._free_per_row = free[-1].tolist()
         free_rows = np.zeros((k, R + 1), dtype=np.int64)
         free_rows[:, :R] = free * np.array([r.block_bytes for r in self.rows], dtype=np.int64)
         frac = (free / np.array(self.num_blocks, dtype=np.float64)).min(axis=1)
@@ -98,7 +98,7 @@ class StaticPartitionManager(HybridManager):
 
     def _place(self, seq: int, frees: list[int], takes: list[int]) -> bool:
         if not self.tracks_ids:
-            count = self._free_count
+            count = self._free_per_row
             if any(t and t > count[i] + frees[i] for i, t in enumerate(takes)):
                 return False
             for i, (f, t) in enumerate(zip(frees, takes, strict=True)):
@@ -136,7 +136,7 @@ class StaticPartitionManager(HybridManager):
         """The moves row by row: a row's pool sees the same frees and takes in the same
         order as sequence by sequence (pools are per row), known to fit."""
         if not self.tracks_ids:
-            count = self._free_count
+            count = self._free_per_row
             for i, (row_frees, row_takes) in enumerate(zip(frees, takes, strict=True)):
                 count[i] += sum(row_frees) - sum(row_takes)
                 if count[i] < 0:
@@ -170,7 +170,7 @@ class StaticPartitionManager(HybridManager):
     def _release(self, seq: int) -> None:
         if not self.tracks_ids:
             held = (self._hi[:, seq] - self._lo[:, seq]).tolist()
-            self._free_count = [c + h for c, h in zip(self._free_count, held, strict=True)]
+            self._free_per_row = [c + h for c, h in zip(self._free_per_row, held, strict=True)]
             return
         for queue, table in zip(self._free, self._tables.pop(seq, []), strict=False):
             queue.extend(reversed(table))
@@ -246,7 +246,7 @@ class StaticPartitionManager(HybridManager):
     def _check_pool(self) -> None:
         if not self.tracks_ids:
             for i, n in enumerate(self.num_blocks):
-                assert self._free_count[i] + self.held_blocks[i] == n, f"row {self.rows[i].label}: blocks lost"
+                assert self._free_per_row[i] + self.held_blocks[i] == n, f"row {self.rows[i].label}: blocks lost"
             return
         for i, n in enumerate(self.num_blocks):
             free = self._free[i][self._head[i]:]
