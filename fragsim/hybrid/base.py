@@ -225,6 +225,8 @@ class HybridManager:
         self._split_info = [(r.is_state, r.block_tokens, r.token_bytes, r.padding_per_block, r.state_bytes,
                              (1 if r.kind == "sliding" else 2) if r.windowed else 0, r.window or 1,
                              r.chunk or 1, self._shape[i]) for i, r in enumerate(rows)]
+        #: whether the split reads every sequence's computed length (a row with a window)
+        self.reads_windows = any(info[5] for info in self._split_info)
         self._reps = np.array([rep for rep, *_ in self._attn_shapes], dtype=np.int64)[:, None]
         # Each row's attention shape index (into _attn_shapes), −1 for a state row.
         self._row_shape = [-1] * len(rows)
@@ -996,14 +998,19 @@ class HybridManager:
         ``seqs`` that have ``computed`` tokens stored now."""
         return np.array(self._split_rows(seqs, computed), dtype=np.int64)
 
-    def _split_rows(self, seqs: np.ndarray, computed: np.ndarray) -> list[list[int]]:
-        """:meth:`split` as nested lists of ints (rows, then the pool's).
+    def _split_rows(self, seqs: np.ndarray | None, computed: np.ndarray | None,
+                    stored: int | None = None) -> list[list[int]]:
+        """:meth:`split` as nested lists of ints (rows, then the pool's); ``stored``:
+        Σ ``computed``, when the caller knows it (``computed`` is then read only by
+        windowed rows, and may be None without them, :attr:`reads_windows`).
 
         Out of the window, per row, is Σ max(0, s(f) − lo·B) over sequences; every
         sequence's ``lo·B`` is at most its ``s(f)`` (blocks leave the window only once
         wholly before it: :meth:`split_slow` asserts it), so that is Σ s(f) − Σ lo·B,
         and Σ lo·B is the kept floor."""
-        stored = int(computed.sum())
+        if stored is None:
+            assert computed is not None
+            stored = int(computed.sum())
         nseq = len(self._live)
         free = self._free_bytes()
         starts: dict[int, int] = {}
@@ -1017,6 +1024,7 @@ class HybridManager:
             in_held = stored - floor
             oow = 0
             if ws and nseq:
+                assert computed is not None
                 start = starts.get(shape)
                 if start is None:
                     start = starts[shape] = int(np.maximum(computed - (w - 1), 0).sum()) if ws == 1 \

@@ -93,7 +93,7 @@ class HybridEngine(Engine):
 
     def _make_kv(self, allocator: Allocator) -> HybridKV:  # type: ignore[override]
         """The manager keeps the bytes; its split is asked of the sequences live now."""
-        return HybridKV(self.manager, self.cfg.timeseries_resolution_s, self._live)
+        return HybridKV(self.manager, self.cfg.timeseries_resolution_s, self._live, self._computed)
 
     # --------------------------------------------------------- prefix caching
 
@@ -182,11 +182,16 @@ class HybridEngine(Engine):
         """Sequence ids and computed lengths of everything holding memory now."""
         b, n = self.batch, self.batch.n
         seqs = b.seq[:n]
-        computed = b.offset[:n] + self.g
         if self.prefilling:
             seqs = np.concatenate((seqs, [p.req for p in self.prefilling]))
+        return seqs.astype(np.int64, copy=False), self._computed()
+
+    def _computed(self) -> np.ndarray:
+        """:meth:`_live`'s computed lengths alone."""
+        computed = self.batch.offset[:self.batch.n] + self.g
+        if self.prefilling:
             computed = np.concatenate((computed, [p.done for p in self.prefilling]))
-        return seqs.astype(np.int64, copy=False), computed.astype(np.int64, copy=False)
+        return computed.astype(np.int64, copy=False)
 
     def _check(self) -> None:
         """The engine's thresholds against the manager's, then the KV manager's check: the
@@ -195,6 +200,9 @@ class HybridEngine(Engine):
         m, b = self.manager, self.batch
         for row in range(b.n):
             assert m.num_requested(int(b.seq[row])) == b.requested[row]
+        # The record's token count stands for Σ computed in the split.
+        token_states = b.offset_sum() + b.n * self.g + sum(p.done for p in self.prefilling)
+        assert int(self._computed().sum()) == token_states, "token count and computed lengths differ"
         super()._check()
 
     def _grow_decoders(self) -> None:

@@ -40,11 +40,14 @@ class HybridKV:
     owned_total = internal_total = shared_total = physical = 0
 
     def __init__(self, manager: HybridManager, resolution_s: float | None,
-                 live: Callable[[], tuple[np.ndarray, np.ndarray]]) -> None:
+                 live: Callable[[], tuple[np.ndarray, np.ndarray]],
+                 computed: Callable[[], np.ndarray] | None = None) -> None:
         self.alloc = manager
         self.manager = manager
         self.capacity = int(manager.capacity)
         self.live = live
+        #: the computed lengths alone (``live``'s second half), read where the split needs them
+        self.computed = computed or (lambda: live()[1])
         # The manager's split as lists when it keeps the base one (the totals are then
         # summed in plain ints); a manager that adjusts the split is asked for its array.
         self._split_rows = manager._split_rows if type(manager).split is HybridManager.split else None
@@ -105,8 +108,8 @@ class HybridKV:
 
     def record(self, rec: Recorder, now: float, dt: float, token_states: int, running: int,
                waiting: int) -> None:
-        """The split held for ``dt`` from ``now``, from the manager (``token_states``, the
-        engine's count in tokens, is not used: the manager counts bytes)."""
+        """The split held for ``dt`` from ``now``, from the manager (``token_states``: the
+        engine's count of computed tokens, Σ of what ``live`` says; the manager counts bytes)."""
         m = self.manager
         if self._split_rows is None:
             split = self.current_split()
@@ -115,7 +118,7 @@ class HybridKV:
                        int(split[:, HELD_ELSEWHERE].sum()), m.largest_allocatable(), running, waiting)
             self.split_rec.record(now, dt, split, m.num_used_blocks())
             return
-        rows = self._split_rows(*self.live())
+        rows = self._split_rows(None, self.computed() if m.reads_windows else None, token_states)
         token = free = elsewhere = total = 0
         least = rows[0][0]
         for row in rows:
@@ -132,13 +135,14 @@ class HybridKV:
     def record_steps(self, rec: Recorder, now: float, dts: np.ndarray, splits: np.ndarray,
                      largest: np.ndarray, used: np.ndarray, running: int, waiting: np.ndarray) -> None:
         """A stretch's splits, ``[steps, rows + pool, categories]``, step by step."""
-        free = splits[:, :, FREE].sum(axis=1)
+        per_category = splits.sum(axis=1)                    # [steps, categories], exact in ints
+        free = per_category[:, FREE]
         # Every free byte allocatable at every step (None): the ratio is 0 without dividing.
         all_free = self._largest_is_free or bool((largest == free).all())
-        rec.record_steps(now, dts, splits[:, :, TOKEN].sum(axis=1), self.manager.capacity - free,
-                         splits[:, :, HELD_ELSEWHERE].sum(axis=(1, 2)),
+        rec.record_steps(now, dts, per_category[:, TOKEN], self.manager.capacity - free,
+                         per_category[:, INTERNAL] + per_category[:, PADDING] + per_category[:, OUT_OF_WINDOW],
                          None if all_free else largest, running, waiting)
-        self.split_rec.record_steps(now, dts, splits, used)
+        self.split_rec.record_steps(now, dts, splits, used, per_category.sum(axis=1))
 
     def split(self, token_states: int) -> tuple[int, int, int, int]:
         """(token_states, reservation, everything else held, free) in bytes, now."""

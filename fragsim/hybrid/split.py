@@ -65,9 +65,11 @@ class SplitRecorder:
             self._bucket(int(t // self.resolution_s), weighted, dt)
 
     def record_steps(self, t0: float, dts: np.ndarray, splits: np.ndarray,
-                     used_blocks: np.ndarray) -> None:
-        """Consecutive states ``splits[j]`` lasting ``dts[j]``, the first from ``t0``."""
-        totals = splits.sum(axis=(1, 2))
+                     used_blocks: np.ndarray, totals: np.ndarray | None = None) -> None:
+        """Consecutive states ``splits[j]`` lasting ``dts[j]``, the first from ``t0``
+        (``totals``: each state's sum, when the caller has it)."""
+        if totals is None:
+            totals = splits.sum(axis=(1, 2))
         if (totals != self.capacity).any() or int(splits.min()) < 0:
             j = int(np.flatnonzero((totals != self.capacity) | (splits.min(axis=(1, 2)) < 0))[0])
             raise AssertionError(f"broken byte split in the stretch from t={t0}, step {j}: sums to "
