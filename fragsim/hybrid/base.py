@@ -239,7 +239,9 @@ class HybridManager:
         # Each attention shape's rows as an index into the [rows, seqs] arrays.
         self._shape_index = [members[0] if len(members) == 1 else np.array(members)[:, None]
                              for _, members, *_ in self._attn_shapes]
-        self._head_takes: dict[int, list[int]] = {}   # a fresh sequence's takes, by its tokens
+        # A fresh sequence's target (_target from nothing) for the tokens last asked for: a
+        # blocked queue head asks again every step.
+        self._fresh_of: tuple[int, tuple[list[int], list[int], list[int], list[int]]] = (-1, ([], [], [], []))
         self._stalled = False   # whether the last stretch could not take its first step
         self._has_state_rows = bool(self._state_rows)
         self._shape_of_rows = np.array([max(si, 0) for si in self._row_shape], dtype=np.int64)
@@ -297,6 +299,13 @@ class HybridManager:
             new_hi.append(hi1)
         return new_lo, new_hi, frees, takes
 
+    def _fresh(self, q: int) -> tuple[list[int], list[int], list[int], list[int]]:
+        """:meth:`_target` of a fresh sequence of ``q`` tokens (not to be changed: shared)."""
+        if self._fresh_of[0] != q:
+            zero = [0] * len(self.rows)
+            self._fresh_of = (q, self._target(q, 0, zero, zero))
+        return self._fresh_of[1]
+
     def _commit(self, seq: int, q: int, new_lo: list[int], new_hi: list[int]) -> None:
         final = self._final(seq)
         lo, hi = self._lo[:, seq].tolist(), self._hi[:, seq].tolist()
@@ -338,8 +347,7 @@ class HybridManager:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if seq_id >= len(self._q):
             self._ensure(seq_id)
-        zero = [0] * len(self.rows)
-        new_lo, new_hi, frees, takes = self._target(num_slots, 0, zero, zero)
+        new_lo, new_hi, frees, takes = self._fresh(num_slots)
         if not self._place(seq_id, frees, takes):
             return False
         self._live[seq_id] = None
@@ -676,10 +684,7 @@ class HybridManager:
                 per_seq = np.zeros((R, kk, 0), dtype=np.int64)   # no sequence takes, or not read
             limit = self._stretch_fits(step_takes, step_frees, per_seq)
             if head_tokens is not None and moves and step_frees.any():
-                head = self._head_takes.get(head_tokens)
-                if head is None:
-                    zero = [0] * R
-                    head = self._head_takes[head_tokens] = self._target(head_tokens, 0, zero, zero)[3]
+                head = self._fresh(head_tokens)[3]
                 limit = min(limit, self._stretch_admits(step_takes, step_frees, head))
             if limit == 0:
                 break
@@ -921,8 +926,7 @@ class HybridManager:
         del self._live[seq_id]
 
     def can_allocate(self, num_slots: int) -> bool:
-        zero = np.zeros(len(self.rows), dtype=np.int64)
-        return self._can_take(self._target(num_slots, 0, zero, zero)[3])
+        return self._can_take(self._fresh(num_slots)[3])
 
     def num_free(self) -> int:
         return int(sum(self._free_bytes()))
@@ -935,15 +939,13 @@ class HybridManager:
         """Bytes a fresh sequence of ``num_slots`` tokens holds."""
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        zero = np.zeros(len(self.rows), dtype=np.int64)
-        takes = self._target(num_slots, 0, zero, zero)[3]
+        takes = self._fresh(num_slots)[3]
         return sum(t * r.block_bytes for t, r in zip(takes, self.rows, strict=True))
 
     def fits_empty(self, num_tokens: int) -> bool:
         """Whether a sequence of ``num_tokens`` tokens, all allocated at once, fits the
         empty pool (recompute re-admits a preempted sequence that way)."""
-        zero = np.zeros(len(self.rows), dtype=np.int64)
-        return self._fits_empty(self._target(num_tokens, 0, zero, zero)[3])
+        return self._fits_empty(self._fresh(num_tokens)[3])
 
     def num_owned(self, seq_id: int) -> int:
         """The largest requested length that moves no block of the sequence."""

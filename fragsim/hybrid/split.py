@@ -11,6 +11,7 @@ and per time bucket for the figures.
 
 from __future__ import annotations
 
+from operator import add
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,6 @@ class SplitRecorder:
         # Flat, row-major, in plain floats: a step's state adds to them without an array
         # (each element gets the same float operations, in the same order, as in numpy).
         self._integral = [0.0] * size
-        self._peak: list[float] = [0.0] * size
         self._span = 0.0
         self._used_blocks = 0.0
         self._buckets: dict[int, list[float]] = {}
@@ -50,15 +50,8 @@ class SplitRecorder:
                                  f"{self.capacity:,}, least part {least:,}\n{np.array(rows)}")
         if dt <= 0:
             return
-        acc, top = self._integral, self._peak
         weighted = [v * dt for row in rows for v in row]
-        i = 0
-        for row in rows:
-            for v in row:
-                acc[i] += weighted[i]
-                if v > top[i]:
-                    top[i] = v
-                i += 1
+        self._integral = list(map(add, self._integral, weighted))
         self._span += dt
         self._used_blocks += used_blocks * dt
         if self.resolution_s is not None:
@@ -77,13 +70,7 @@ class SplitRecorder:
         shape = splits.shape[1:]
         weighted = np.dot(dts.reshape(1, -1), splits.reshape(len(dts), -1)).reshape(shape)   # tensordot's own
         flat = weighted.ravel().tolist()
-        acc = self._integral
-        for i, v in enumerate(flat):
-            acc[i] += v
-        top = self._peak
-        for i, v in enumerate(splits.max(axis=0).ravel().tolist()):
-            if v > top[i]:
-                top[i] = v
+        self._integral = list(map(add, self._integral, flat))
         span = float(dts.sum())
         self._span += span
         self._used_blocks += float(np.dot(dts, used_blocks))
@@ -105,8 +92,7 @@ class SplitRecorder:
         """Add to bucket ``b`` (``weighted``: flat, row-major; the bucket keeps a copy)."""
         acc = self._buckets.get(b)
         if acc is not None:
-            for i, v in enumerate(weighted):
-                acc[i] += v
+            self._buckets[b] = list(map(add, acc, weighted))
             self._bucket_span[b] += span
         else:
             self._buckets[b] = list(weighted)
