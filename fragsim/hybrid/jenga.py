@@ -113,7 +113,11 @@ class JengaManager(HybridManager):
     def _can_take_with(self, takes: list[int], own_frees: list[int]) -> bool:
         """Whether the small pages fit, counting the sequence's own frees as free slots of
         their kind only (a free that empties a whole large page is not counted: safe)."""
-        opens = sum(self._opens(i, t - f) for i, (t, f) in enumerate(zip(takes, own_frees, strict=True)))
+        opens, avail, per = 0, self._free_slots, self.per_large
+        for i, (t, f) in enumerate(zip(takes, own_frees, strict=True)):
+            short = t - f - avail[i]
+            if short > 0:
+                opens += -(-short // per[i])
         return opens <= len(self._free_large)
 
     def _take_small(self, seq: int, row: int, reserved: int, count: int = 1) -> list[int]:
@@ -130,28 +134,37 @@ class JengaManager(HybridManager):
                 self._owners[whole] = {seq: 1}
             return pages
         out: list[int] = []
-        while len(out) < count:
-            mine = self._open_of.get((seq, row))
-            page = next(iter(mine)) if mine else None
-            if page is None and len(self._free_large) > reserved:
+        open_of, key = self._open_of, (seq, row)
+        while count:
+            mine = open_of.get(key)
+            if mine:
+                page = next(iter(mine))
+            elif len(self._free_large) > reserved:
                 page = self._free_large.pop()
                 self._kind_of[page] = row
                 self._slots[page] = list(range(per))
                 self._partial[row][page] = None
                 self._owners[page] = {}
                 self._free_slots[row] += per
-            if page is None:
+            else:
                 page = next(iter(self._partial[row]))
             slots = self._slots[page]
-            n = min(count - len(out), len(slots))
+            n = count if count < len(slots) else len(slots)
             base = page * per
-            out.extend(base + slot for slot in slots[:n])
-            del slots[:n]
+            if n == 1:
+                out.append(base + slots.pop(0))
+            else:
+                out.extend([base + slot for slot in slots[:n]])
+                del slots[:n]
+            count -= n
             self._free_slots[row] -= n
             owners = self._owners[page]
             owners[seq] = owners.get(seq, 0) + n
             if slots:
-                self._open_of.setdefault((seq, row), {})[page] = None
+                if mine is None:
+                    open_of[key] = {page: None}
+                else:
+                    mine[page] = None
             else:  # full: no owner finds room in it any more
                 del self._partial[row][page]
                 for owner in owners:
@@ -198,6 +211,45 @@ class JengaManager(HybridManager):
             self._free_slots[row] -= per
             self._free_large.append(page)
 
+    def _give_back_many(self, seq: int, row: int, smalls: list[int]) -> None:
+        """:meth:`_give_back` of each small page in turn, a run of pages in one large page
+        at a time (the same lists and orders as page by page: only the first give of a
+        run can find the page full, only its last can empty it)."""
+        per = self.per_large[row]
+        if per == 1:
+            for small in smalls:
+                self._give_back(seq, row, small)
+            return
+        self._num_used -= len(smalls)
+        i, n = 0, len(smalls)
+        while i < n:
+            page = smalls[i] // per
+            j = i + 1
+            while j < n and smalls[j] // per == page:
+                j += 1
+            base = page * per
+            slots = self._slots[page]
+            was_full = not slots
+            slots.extend(small - base for small in smalls[i:j])
+            self._free_slots[row] += j - i
+            self._partial[row][page] = None
+            owners = self._owners[page]
+            left = owners[seq] - (j - i)
+            if left:
+                owners[seq] = left
+            else:
+                del owners[seq]
+                self._close(seq, row, page)
+            if was_full:  # room again for those still in it
+                for owner in owners:
+                    self._open_of.setdefault((owner, row), {})[page] = None
+            if len(slots) == per:  # the whole large page is free again
+                del self._partial[row][page], self._slots[page], self._owners[page]
+                self._kind_of[page] = -1
+                self._free_slots[row] -= per
+                self._free_large.append(page)
+            i = j
+
     def _place(self, seq: int, frees: list[int], takes: list[int]) -> bool:
         if not self.tracks_ids:
             # whole pages: a row's own frees cover its takes, the rest opens free pages
@@ -207,11 +259,13 @@ class JengaManager(HybridManager):
             return True
         if not self._can_take_with(takes, frees):
             return False
-        tables = self._tables.setdefault(seq, [[] for _ in self.rows])
+        tables = self._tables.get(seq)
+        if tables is None:
+            tables = self._tables[seq] = [[] for _ in self.rows]
         for i, f in enumerate(frees):
-            for small in tables[i][:f]:
-                self._give_back(seq, i, small)
-            del tables[i][:f]
+            if f:
+                self._give_back_many(seq, i, tables[i][:f])
+                del tables[i][:f]
         for i, t in enumerate(takes):
             if t:
                 reserved = sum(self._opens(j, takes[j]) for j in range(i + 1, len(takes)))
@@ -223,8 +277,8 @@ class JengaManager(HybridManager):
             self._free_count += int((self._hi[:, seq] - self._lo[:, seq]).sum())
             return
         for i, table in enumerate(self._tables.pop(seq, [])):
-            for small in table:
-                self._give_back(seq, i, small)
+            if table:
+                self._give_back_many(seq, i, table)
 
     # ---------------------------------------------------------------- sizes
 
