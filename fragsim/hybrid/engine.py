@@ -83,6 +83,11 @@ class HybridEngine(Engine):
         manager.bind_finals(self.final)
         self.split_rec = self.kv.split_rec
         self._batched_growth = type(manager).advance_many is HybridManager.advance_many
+        # Under memory pressure stretches stall (their first step might not fit) in long
+        # runs: after n stalls in a row the next min(2^(n-1), 16) chances are stepped
+        # exactly without trying (a single step is always exact; only speed changes).
+        self._stalls = 0
+        self._skip_stretches = 0
         self.prefix = PrefixKeys(trace, manager.block_size) if config.prefix_caching else None  # type: ignore[arg-type]
         self.num_prefix_hits_by_kind: dict[str, int] = {}  # each kind's own hit, on its own
 
@@ -249,6 +254,9 @@ class HybridEngine(Engine):
 
     def _jump(self) -> float:
         """A stretch of decode steps, blocks taken and freed at the steps they move."""
+        if self._skip_stretches:
+            self._skip_stretches -= 1
+            return 0.0
         run = stretch.plan(self)
         if run is None:
             return 0.0
@@ -258,7 +266,10 @@ class HybridEngine(Engine):
         m_seqs = b.seq[:n].copy()
         k, splits, largest, used, last = m.stretch(m_seqs, b.req[:n], filled0, run.k, self._head_tokens())
         if k <= 0:
+            self._stalls += 1
+            self._skip_stretches = min(1 << (self._stalls - 1), 16)
             return 0.0
+        self._stalls = 0
         touched = np.flatnonzero(last >= 0)
         if len(touched):
             b.requested[touched] = last[touched]
