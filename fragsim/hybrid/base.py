@@ -236,19 +236,6 @@ class HybridManager:
         self._state_rows = [i for i, si in enumerate(self._row_shape) if si < 0]
         self._rows_per_shape = [len(members) for _, members, *_ in self._attn_shapes]
         self._rows_per_shape_arr = np.array(self._rows_per_shape, dtype=np.int64)
-        # The stretch's split, a shape at a time: each shape's row holding it and block;
-        # the attention rows, their shape, bytes per token and padding a block; the
-        # windowed shapes; the state rows' padding and state bytes.
-        self._rep_rows = [rep for rep, *_ in self._attn_shapes]
-        self._shape_b = np.array([b for _, _, b, *_ in self._attn_shapes], dtype=np.int64)
-        attn_rows = [i for i, si in enumerate(self._row_shape) if si >= 0]
-        self._attn_rows = np.array(attn_rows, dtype=np.int64)
-        self._attn_row_shape = np.array([self._row_shape[i] for i in attn_rows], dtype=np.int64)
-        self._attn_tb = np.array([self._split_info[i][2] for i in attn_rows], dtype=np.int64)
-        self._attn_ppb = np.array([self._split_info[i][3] for i in attn_rows], dtype=np.int64)
-        self._window_shapes = [(si, self._split_info[rep][5], w, c)
-                               for si, (rep, _, _, _, w, c) in enumerate(self._attn_shapes) if self._split_info[rep][5]]
-        self._state_split = [(i, info[3], info[4]) for i, info in enumerate(self._split_info) if info[0]]
         # Each attention shape's rows as an index into the [rows, seqs] arrays.
         self._shape_index = [members[0] if len(members) == 1 else np.array(members)[:, None]
                              for _, members, *_ in self._attn_shapes]
@@ -744,36 +731,49 @@ class HybridManager:
                 self._floor[r] += tot[1][si] * b
                 self._tail[r] += tot[2][si]
         # The split of every step: the kept sums before the stretch plus their changes,
-        # worked out for every shape at once (its rows differ only in bytes per token
-        # and block), [steps, shapes], then spread to the rows.
+        # worked out a shape at a time (its rows differ only in bytes per token and block).
         out = np.zeros((k, R + 1, len(CATEGORIES)), dtype=np.int64)
         stored = int(filled0.sum()) + n * np.arange(k, dtype=np.int64)
-        for i, ppb, sb in self._state_split:
-            out[:, i, PADDING] = self.held_blocks[i] * ppb
-            out[:, i, TOKEN] = self.held_blocks[i] * sb
-        if S:
-            reps, bs = self._rep_rows, self._shape_b
-            tot_a = np.array(tot, dtype=np.int64)                                  # [3, S]
-            held = np.array([self.held_blocks[r] for r in reps], dtype=np.int64) - tot_a[0] + sums[0]
-            floor = (np.array([self._floor[r] for r in reps], dtype=np.int64) - tot_a[1] * bs) + sums[1] * bs
-            tail = np.array([self._tail[r] for r in reps], dtype=np.int64) - tot_a[2] + sums[2]
-            in_held = stored[:, None] - floor
-            reserved = held * bs - in_held - tail
-            token, oow = in_held, None
-            if self._window_shapes:
-                token, oow = in_held.copy(), np.zeros_like(in_held)
-                f = filled0[None, :] + np.arange(k, dtype=np.int64)[:, None]
-                for si, ws, w, c in self._window_shapes:
-                    start = np.maximum(f - (w - 1), 0).sum(axis=1) if ws == 1 else (f // c * c).sum(axis=1)
-                    oow[:, si] = start - floor[:, si]
-                    token[:, si] = stored - start
-            rows, of, tb = self._attn_rows, self._attn_row_shape, self._attn_tb
-            out[:, rows, TOKEN] = token[:, of] * tb
-            out[:, rows, RESERVATION] = reserved[:, of] * tb
-            out[:, rows, INTERNAL] = tail[:, of] * tb
-            out[:, rows, PADDING] = held[:, of] * self._attn_ppb
+        info = self._split_info
+        for i, (state, _, _, ppb, sb, *_) in enumerate(info):
+            if state:
+                out[:, i, PADDING] = self.held_blocks[i] * ppb
+                out[:, i, TOKEN] = self.held_blocks[i] * sb
+        f: np.ndarray | None = None
+        for si, (rows, (b, _, w, c)) in enumerate(zip(shape_rows, params, strict=True)):
+            r0 = rows[0]
+            held = self.held_blocks[r0] - tot[0][si] + sums[0, :, si]
+            floor = self._floor[r0] - tot[1][si] * b + sums[1, :, si] * b
+            tail = self._tail[r0] - tot[2][si] + sums[2, :, si]
+            in_held = stored - floor
+            reserved = held * b - in_held - tail
+            ws = info[r0][5]
+            oow: Any = None
+            if ws:
+                if f is None:
+                    f = filled0[None, :] + np.arange(k, dtype=np.int64)[:, None]
+                start = np.maximum(f - (w - 1), 0).sum(axis=1) if ws == 1 else (f // c * c).sum(axis=1)
+                oow = start - floor
+                token = stored - start
+            else:
+                token = in_held
+            if len(rows) == 1:
+                tb, ppb = info[r0][2], info[r0][3]
+                out[:, r0, TOKEN] = token * tb
+                out[:, r0, RESERVATION] = reserved * tb
+                out[:, r0, INTERNAL] = tail * tb
+                out[:, r0, PADDING] = held * ppb
+                if oow is not None:
+                    out[:, r0, OUT_OF_WINDOW] = oow * tb
+                continue
+            tbs = np.array([info[r][2] for r in rows], dtype=np.int64)
+            ppbs = np.array([info[r][3] for r in rows], dtype=np.int64)
+            out[:, rows, TOKEN] = token[:, None] * tbs
+            out[:, rows, RESERVATION] = reserved[:, None] * tbs
+            out[:, rows, INTERNAL] = tail[:, None] * tbs
+            out[:, rows, PADDING] = held[:, None] * ppbs
             if oow is not None:
-                out[:, rows, OUT_OF_WINDOW] = oow[:, of] * tb
+                out[:, rows, OUT_OF_WINDOW] = oow[:, None] * tbs
         out[:, :, FREE] = free_rows
         out[:, -1, PADDING] = self._fixed_padding()
         return k, out, largest, used, last_target
