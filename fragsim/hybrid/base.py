@@ -1127,6 +1127,38 @@ class HybridManager:
         raise NotImplementedError
 
 
+def one_pool_fits(takes: np.ndarray, frees: np.ndarray, free: int) -> int:
+    """:meth:`HybridManager._stretch_fits` of one pool of ``free`` free units, any row's
+    block one unit: the first step whose takes (``[steps, rows]``) exceed what is free
+    before it (earlier steps' frees count, its own do not: each move then needs no more
+    than is free when it comes)."""
+    if len(takes) <= 64:  # a short stretch: the running sums in plain ints
+        freed = taken = 0
+        for j, (t, f) in enumerate(zip(takes.sum(axis=1).tolist(), frees.sum(axis=1).tolist(), strict=True)):
+            taken += t
+            if taken > free + freed:
+                return j
+            freed += f
+        return len(takes)
+    total = takes.sum(axis=1)
+    freed_before = np.concatenate(([0], np.cumsum(frees.sum(axis=1))[:-1]))
+    short = np.flatnonzero(np.cumsum(total) > free + freed_before)
+    return int(short[0]) if len(short) else len(total)
+
+
+def one_pool_admits(takes: np.ndarray, frees: np.ndarray, free: int, need: int) -> int:
+    """:meth:`HybridManager._stretch_admits` of one pool of ``free`` free units: the first
+    step after whose moves ``need`` units are free."""
+    if len(takes) <= 64:
+        for j, d in enumerate((frees.sum(axis=1) - takes.sum(axis=1)).tolist()):
+            free += d
+            if free >= need:
+                return j
+        return len(takes)
+    fits = np.flatnonzero(free + np.cumsum(frees.sum(axis=1) - takes.sum(axis=1)) >= need)
+    return int(fits[0]) if len(fits) else len(takes)
+
+
 def kind_of_rows(rows: tuple[Row, ...]) -> list[str]:
     """The kind of each row, then the pool's (for the per-kind split)."""
     return [r.kind for r in rows] + [POOL]

@@ -32,7 +32,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from fragsim.hybrid.base import HybridManager, Row
+from fragsim.hybrid.base import HybridManager, Row, one_pool_admits, one_pool_fits
 
 
 def large_page(rows: tuple[Row, ...], max_large_ratio: int = 16) -> tuple[int, tuple[Row, ...]]:
@@ -304,8 +304,8 @@ class JengaManager(HybridManager):
         return self._can_take_with(takes, [0] * len(takes))
 
     def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray, per_seq: np.ndarray) -> int:
-        if not self.tracks_ids:
-            return self._whole_pages_fit(takes, frees)
+        if not self.tracks_ids:   # whole pages: one pool of them
+            return one_pool_fits(takes, frees, self._free_count)
         """Safe for request-aware placement, which opens a fresh large page whenever a
         request's own pages of a kind are full and one is free: the stretch goes on
         while even that many openings (each request's takes, ``per_large`` a page)
@@ -319,27 +319,10 @@ class JengaManager(HybridManager):
         bad = np.flatnonzero(~ok)
         return int(bad[0]) if len(bad) else len(takes)
 
-    def _whole_pages_fit(self, takes: np.ndarray, frees: np.ndarray) -> int:
-        """:meth:`_stretch_fits` of whole pages: a step's takes fit the pages free before
-        it (earlier steps' frees count, its own do not: each move then needs no more
-        than is free when it comes)."""
-        free, freed, taken = self._free_count, 0, 0
-        for j, (t, f) in enumerate(zip(takes.sum(axis=1).tolist(), frees.sum(axis=1).tolist(), strict=True)):
-            taken += t
-            if taken > free + freed:
-                return j
-            freed += f
-        return len(takes)
-
     def _stretch_admits(self, takes: np.ndarray, frees: np.ndarray, head: list[int]) -> int:
         if self.tracks_ids:
             return super()._stretch_admits(takes, frees, head)
-        free, need = self._free_count, sum(head)
-        for j, d in enumerate((frees.sum(axis=1) - takes.sum(axis=1)).tolist()):
-            free += d
-            if free >= need:
-                return j
-        return len(takes)
+        return one_pool_admits(takes, frees, self._free_count, sum(head))
 
     def _fits_empty(self, takes: list[int]) -> bool:
         return sum(-(-t // p) for t, p in zip(takes, self.per_large, strict=True)) <= self.num_large

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fragsim.hybrid.base import HybridManager, Row
+from fragsim.hybrid.base import HybridManager, Row, one_pool_admits, one_pool_fits
 from fragsim.vllm_plan import VllmPlan
 
 
@@ -143,31 +143,10 @@ class VllmHybridManager(HybridManager):
         return sum(takes) <= self.num_free_blocks()
 
     def _stretch_fits(self, takes: np.ndarray, frees: np.ndarray, per_seq: np.ndarray) -> int:
-        if len(takes) <= 64:  # a short stretch: the running sums in plain ints
-            free, freed, taken = self.num_free_blocks(), 0, 0
-            for j, (t, f) in enumerate(zip(takes.sum(axis=1).tolist(), frees.sum(axis=1).tolist(), strict=True)):
-                taken += t
-                if taken > free + freed:
-                    return j
-                freed += f
-            return len(takes)
-        total = takes.sum(axis=1)
-        freed_before = np.concatenate(([0], np.cumsum(frees.sum(axis=1))[:-1]))
-        short = np.flatnonzero(np.cumsum(total) > self.num_free_blocks() + freed_before)
-        return int(short[0]) if len(short) else len(total)
+        return one_pool_fits(takes, frees, self.num_free_blocks())
 
     def _stretch_admits(self, takes: np.ndarray, frees: np.ndarray, head: list[int]) -> int:
-        need = sum(head)
-        if len(takes) <= 64:
-            free = self.num_free_blocks()
-            for j, d in enumerate((frees.sum(axis=1) - takes.sum(axis=1)).tolist()):
-                free += d
-                if free >= need:
-                    return j
-            return len(takes)
-        free_after = self.num_free_blocks() + np.cumsum(frees.sum(axis=1) - takes.sum(axis=1))
-        fits = np.flatnonzero(free_after >= sum(head))
-        return int(fits[0]) if len(fits) else len(takes)
+        return one_pool_admits(takes, frees, self.num_free_blocks(), sum(head))
 
     def _fits_empty(self, takes: list[int]) -> bool:
         return sum(takes) <= self.num_blocks - 1
