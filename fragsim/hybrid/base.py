@@ -242,7 +242,6 @@ class HybridManager:
         # A fresh sequence's target (_target from nothing) for the tokens last asked for: a
         # blocked queue head asks again every step.
         self._fresh_of: tuple[int, tuple[list[int], list[int], list[int], list[int]]] = (-1, ([], [], [], []))
-        self._stalled = False   # whether the last stretch could not take its first step
         self._has_state_rows = bool(self._state_rows)
         self._shape_of_rows = np.array([max(si, 0) for si in self._row_shape], dtype=np.int64)
 
@@ -558,7 +557,8 @@ class HybridManager:
         return np.where(hi > lo, np.maximum(0, hi * b - np.maximum(finals, lo * b)), 0)
 
     def stretch(self, seqs: np.ndarray, reqs: np.ndarray, filled0: np.ndarray, k: int,
-                head_tokens: int | None) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                head_tokens: int | None, first_step_first: bool = False
+                ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Up to ``k`` decode steps of the sequences ``seqs`` (all that hold memory), the
         sequence at ``filled0`` tokens computing token ``filled0 + j`` in step ``j``.
 
@@ -605,9 +605,9 @@ class HybridManager:
         shape_rows = [rows for _, rows, *_ in shapes]
         moves: list[tuple[int, int, int, list[int], list[int], list[int], list[int]]] = []
         # Under memory pressure a stretch often cannot take its first step, and stretches
-        # stall in runs: after one that stalled, the first step alone (the limits read no
-        # later step to stop there) is tried first.
-        for kk in ((1, k) if self._stalled and k > 1 and 0 in m_j0 else (k,)):
+        # stall in runs: ``first_step_first`` (the caller's last stretch stalled) tries the
+        # first step alone first (the limits read no later step to stop there).
+        for kk in ((1, k) if first_step_first and k > 1 and 0 in m_j0 else (k,)):
             step_takes = np.zeros((kk, S), dtype=np.int64)   # per shape, then per row
             step_frees = np.zeros((kk, S), dtype=np.int64)
             d_sums = np.zeros((3, kk, S), dtype=np.int64)     # held, floor (blocks), tail
@@ -688,21 +688,19 @@ class HybridManager:
                 limit = min(limit, self._stretch_admits(step_takes, step_frees, head))
             if limit == 0:
                 break
-        self._stalled = limit == 0
         k = min(k, limit)
         empty = np.zeros((0, R + 1, len(CATEGORIES)), dtype=np.int64)
         if k <= 0:
             return 0, empty, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.full(n, -1)
+        if any(mv[0] >= k for mv in moves):
+            moves = [mv for mv in moves if mv[0] < k]
         if self._counts_only():
             # Counts: the moves of a step add up in any order, and the free units after
             # each step are a running sum.
-            if any(mv[0] >= k for mv in moves):
-                moves = [mv for mv in moves if mv[0] < k]
             free_rows, largest, used = self._count_steps(np.array(sf_rows[:k], dtype=np.int64).reshape(k, S),
                                                          np.array(st_rows[:k], dtype=np.int64).reshape(k, S))
         else:
             free_rows, largest, used = self._place_stretch(moves, k, seqs, reqs)
-            moves = [mv for mv in moves if mv[0] < k]
         # Commit each sequence's blocks after its last move, and the sums.
         last_target = np.full(n, -1, dtype=np.int64)
         final_state: dict[int, tuple[int, list[int], list[int]]] = {}
@@ -780,13 +778,13 @@ class HybridManager:
 
     def _place_stretch(self, moves: list, k: int, seqs: np.ndarray,
                        reqs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Block ids of a stretch's first ``k`` steps, move by move in exact-mode order
-        (step, then request); per step, the pool's free bytes per row, largest
-        allocatable and used blocks after it."""
+        """Block ids of a stretch's ``k`` steps (``moves``: theirs), move by move in
+        exact-mode order (step, then request); per step, the pool's free bytes per row,
+        largest allocatable and used blocks after it."""
         R, S = len(self.rows), len(self._attn_shapes)
         if moves:
             req_of = reqs.tolist()
-            moves = sorted((mv for mv in moves if mv[0] < k), key=lambda mv: (mv[0], req_of[mv[1]], mv[1]))
+            moves = sorted(moves, key=lambda mv: (mv[0], req_of[mv[1]], mv[1]))
         seq_list = seqs.tolist()
         row_of = self._row_shape
         snapshot = (self._free_bytes(), self.largest_allocatable(), self.num_used_blocks())

@@ -85,7 +85,8 @@ class HybridEngine(Engine):
         self._batched_growth = type(manager).advance_many is HybridManager.advance_many
         # Under memory pressure stretches stall (their first step might not fit) in long
         # runs: after n stalls in a row the next min(2^(n-1), 16) chances are stepped
-        # exactly without trying (a single step is always exact; only speed changes).
+        # exactly without trying (a single step is always exact; only speed changes), and
+        # the next stretch tries its first step alone first.
         self._stalls = 0
         self._skip_stretches = 0
         self.prefix = PrefixKeys(trace, manager.block_size) if config.prefix_caching else None  # type: ignore[arg-type]
@@ -264,7 +265,8 @@ class HybridEngine(Engine):
         n = b.n
         filled0 = b.offset[:n] + self.g
         m_seqs = b.seq[:n].copy()
-        k, splits, largest, used, last = m.stretch(m_seqs, b.req[:n], filled0, run.k, self._head_tokens())
+        k, splits, largest, used, last = m.stretch(m_seqs, b.req[:n], filled0, run.k, self._head_tokens(),
+                                                   first_step_first=self._stalls > 0)
         if k <= 0:
             self._stalls += 1
             self._skip_stretches = min(1 << (self._stalls - 1), 16)

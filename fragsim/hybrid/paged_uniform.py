@@ -102,18 +102,7 @@ class PagedUniformManager(HybridManager):
         if blocks > len(queue) - head or states > len(self._state_free):
             return False
         if blocks:
-            mine = self._blocks.get(seq)
-            if mine is None:
-                mine = self._blocks[seq] = []
-            if blocks == 1:
-                mine.append(queue[head])
-            else:
-                mine += queue[head:head + blocks]
-            head += blocks
-            if head > 1024 and head > len(queue) >> 1:
-                del queue[:head]
-                head = 0
-            self._head = head
+            self._take_blocks(seq, blocks)
         if states:
             self._slot[seq] = self._state_free.pop(0)
         return True
@@ -147,23 +136,26 @@ class PagedUniformManager(HybridManager):
             for seq, n in zip(seqs, states, strict=True):
                 if n:
                     self._slot[seq] = self._state_free.pop(0)
-        queue, head, blocks = self._queue, self._head, self._blocks
+        if sum(per_seq) > self.num_free_blocks():
+            raise AssertionError("advance_many ran out of blocks it was told were free")
         for seq, n in zip(seqs, per_seq, strict=True):
-            if not n:
-                continue
-            if head + n > len(queue):
-                raise AssertionError("advance_many ran out of blocks it was told were free")
-            mine = blocks.get(seq)
-            if mine is None:
-                mine = blocks[seq] = []
-            if n == 1:
-                mine.append(queue[head])
-            else:
-                mine += queue[head:head + n]
-            head += n
-            if head > 1024 and head > len(queue) >> 1:
-                del queue[:head]
-                head = 0
+            if n:
+                self._take_blocks(seq, n)
+
+    def _take_blocks(self, seq: int, n: int) -> None:
+        """The next ``n`` free blocks of the queue for ``seq`` (known to be there)."""
+        queue, head = self._queue, self._head
+        mine = self._blocks.get(seq)
+        if mine is None:
+            mine = self._blocks[seq] = []
+        if n == 1:
+            mine.append(queue[head])
+        else:
+            mine += queue[head:head + n]
+        head += n
+        if head > 1024 and head > len(queue) >> 1:
+            del queue[:head]
+            head = 0
         self._head = head
 
     def _release(self, seq: int) -> None:

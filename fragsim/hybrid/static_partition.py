@@ -112,21 +112,27 @@ class StaticPartitionManager(HybridManager):
         if tables is None:
             tables = self._tables[seq] = [[] for _ in self.rows]
         for i, (f, t) in enumerate(zip(frees, takes, strict=True)):
-            if not (f or t):
-                continue
-            queue, table = pools[i], tables[i]
-            if f:
-                queue.extend(reversed(table[:f]))
-                del table[:f]
-            if t:
-                head = self._head[i]
-                table.extend(queue[head:head + t])
-                head += t
-                if head > 1024 and head > len(queue) >> 1:
-                    del queue[:head]
-                    head = 0
-                self._head[i] = head
+            if f or t:
+                self._move(i, tables[i], f, t)
         return True
+
+    def _move(self, row: int, table: list[int], frees: int, takes: int) -> None:
+        """A sequence's ``table`` of ``row``: its first ``frees`` blocks back to the row's
+        pool (last first), then ``takes`` more from it (known to be there)."""
+        queue = self._free[row]
+        if frees:
+            queue.extend(reversed(table[:frees]))
+            del table[:frees]
+        if takes:
+            head = self._head[row]
+            if head + takes > len(queue):
+                raise AssertionError(f"row {self.rows[row].label}: blocks taken that were not free")
+            table.extend(queue[head:head + takes])
+            head += takes
+            if head > 1024 and head > len(queue) >> 1:
+                del queue[:head]
+                head = 0
+            self._head[row] = head
 
     def _fits_moves(self, takes: list[list[int]]) -> bool:
         """:meth:`_stretch_fits` of one step, in plain ints: each pool holds its row's takes."""
@@ -143,29 +149,15 @@ class StaticPartitionManager(HybridManager):
                     raise AssertionError("advance_many ran out of blocks it was told were free")
             return
         tables = self._tables
-        for i, (queue, row_frees, row_takes) in enumerate(zip(self._free, frees, takes, strict=True)):
+        for i, (row_frees, row_takes) in enumerate(zip(frees, takes, strict=True)):
             if not any(row_frees) and not any(row_takes):
                 continue
-            head = self._head[i]
             for seq, f, t in zip(seqs, row_frees, row_takes, strict=True):
-                if not (f or t):
-                    continue
-                mine = tables.get(seq)
-                if mine is None:
-                    mine = tables[seq] = [[] for _ in self.rows]
-                table = mine[i]
-                if f:
-                    queue.extend(reversed(table[:f]))
-                    del table[:f]
-                if t:
-                    if head + t > len(queue):
-                        raise AssertionError("advance_many ran out of blocks it was told were free")
-                    table.extend(queue[head:head + t])
-                    head += t
-                    if head > 1024 and head > len(queue) >> 1:
-                        del queue[:head]
-                        head = 0
-            self._head[i] = head
+                if f or t:
+                    mine = tables.get(seq)
+                    if mine is None:
+                        mine = tables[seq] = [[] for _ in self.rows]
+                    self._move(i, mine[i], f, t)
 
     def _release(self, seq: int) -> None:
         if not self.tracks_ids:
