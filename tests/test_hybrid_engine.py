@@ -138,6 +138,10 @@ def test_jenga_stretches_under_pressure() -> None:
                                                    "time_window_s": None}))
     exact.run()
     np.testing.assert_array_equal(fast.finish, exact.finish)
+    np.testing.assert_array_equal(fast.first_token, exact.first_token)
+    np.testing.assert_array_equal(fast.preemptions, exact.preemptions)
+    assert fast.num_steps == exact.num_steps and fast.num_events < exact.num_events
+    np.testing.assert_allclose(fast.split_rec.means(), exact.split_rec.means(), rtol=1e-9, atol=1e-3)
 
 
 @pytest.mark.parametrize("name, model", [("vllm-hybrid", "gemma-3-27b"), ("jenga", "gpt-oss-20b"),
