@@ -82,6 +82,9 @@ class HybridEngine(Engine):
                          observer=observer)
         manager.bind_finals(self.final)
         self.split_rec = self.kv.split_rec
+        # The recorder's free bytes are the split's free column, the manager's own free
+        # bytes: a probe of the manager would compare them with themselves every step.
+        self.rec.free_probe = None
         self._batched_growth = type(manager).advance_many is HybridManager.advance_many
         # Under memory pressure stretches stall (their first step might not fit) in long
         # runs: after n stalls in a row the next min(2^(n-1), 16) chances are stepped

@@ -129,7 +129,8 @@ class HybridKV:
             low = min(row)
             if low < least:
                 least = low
-        rec.record(now, dt, token, m.capacity - free, elsewhere, m.largest_allocatable(), running, waiting)
+        rec.record(now, dt, token, m.capacity - free, elsewhere,
+                   free if self._largest_is_free else m.largest_allocatable(), running, waiting)
         self.split_rec.record(now, dt, rows, m.num_used_blocks(), total, least)
 
     def record_steps(self, rec: Recorder, now: float, dts: np.ndarray, splits: np.ndarray,
