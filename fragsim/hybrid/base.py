@@ -243,6 +243,15 @@ class HybridManager:
         # blocked queue head asks again every step.
         self._fresh_of: tuple[int, tuple[list[int], list[int], list[int], list[int]]] = (-1, ([], [], [], []))
         self._has_state_rows = bool(self._state_rows)
+        # Per attention shape, for :meth:`_basis`: a row of it, window start (0 none, 1
+        # sliding, 2 chunked), window, chunk, block, and the sums over its rows of bytes
+        # per token, padding per block and bytes per block.
+        self._basis_info = [(members[0], self._split_info[members[0]][5], w, c, b,
+                             sum(self._split_info[i][2] for i in members),
+                             sum(self._split_info[i][3] for i in members),
+                             sum(rows[i].block_bytes for i in members))
+                            for members, (_, _, b, _, w, c) in
+                            zip(([m for _, m, *_ in self._attn_shapes]), self._attn_shapes, strict=True)]
         self._shape_of_rows = np.array([max(si, 0) for si in self._row_shape], dtype=np.int64)
 
     # ---------------------------------------------------------------- lengths
@@ -415,10 +424,44 @@ class HybridManager:
 
         Rows of one shape hold the same blocks, so each shape is worked out once, and a
         state row (one block from admission on) never moves while a sequence decodes.
-        A step moves a few dozen sequences: plain ints beat numpy's per-call cost."""
+        A step moves a few dozen sequences at most: plain ints beat numpy's per-call cost
+        (numpy over them all was measured slower even at thirty sequences and two shapes)."""
         R, m = len(self.rows), len(seqs)
         shapes = self._attn_shapes
-        seq_list, tl = seqs.tolist(), targets.tolist()
+        seq_list = seqs.tolist()
+        owned, los, his, lo1s, hi1s, frs, tks, tails = self._grow_ints(seq_list, seqs, targets)
+        zero = [0] * m
+        frees_rows, takes_rows = [zero] * R, [zero] * R
+        new: list[tuple[int, list[int], int, int, list[int], list[int], list[int], list[int], int]] = []
+        for k, (_, rows, b, code, _, _) in enumerate(shapes):
+            for i in rows:
+                frees_rows[i] = frs[k] if code else zero
+                takes_rows[i] = tks[k]
+            new.append((k, rows, b, code, los[k], his[k], lo1s[k] if code else los[k], hi1s[k], tails[k]))
+        if not self._fits_moves(takes_rows, frees_rows):
+            return None
+        self._place_moves(seq_list, frees_rows, takes_rows)
+        for k, rows, b, code, lo0, hi0, lo1, hi1, tail in new:
+            d_lo = sum(lo1) - sum(lo0) if code else 0
+            d_held = sum(hi1) - sum(hi0) - d_lo
+            for i in rows:
+                self.held_blocks[i] += d_held
+                self._floor[i] += d_lo * b
+                self._tail[i] += tail
+            index = self._shape_index[k]
+            if d_lo:
+                self._lo[index, seqs] = lo1
+            self._hi[index, seqs] = hi1
+        self._q[seqs] = targets
+        return owned
+
+    def _grow_ints(self, seq_list: list[int], seqs: np.ndarray, targets: np.ndarray) -> tuple:
+        """:meth:`grow_many`'s moves per shape, sequence by sequence in plain ints: what each
+        sequence owns after, and per shape the blocks before and after, frees, takes and
+        the change of the tails (``lo1s[k]``, ``frs[k]`` are empty for a shape that frees
+        nothing)."""
+        shapes = self._attn_shapes
+        tl = targets.tolist()
         owned: list[int] = []
         los = self._lo[self._reps, seqs].tolist()
         his = self._hi[self._reps, seqs].tolist()
@@ -470,34 +513,14 @@ class HybridManager:
                 if end > final:  # only a block past the final length has a tail
                     tails[k] += tail_of(hi1, lo1, b, final) - tail_of(hi0, lo0, b, final)
             owned.append(limit)
-        zero = [0] * m
-        frees_rows, takes_rows = [zero] * R, [zero] * R
-        new: list[tuple[list[int], int, int, list[int], list[int], list[int], list[int], int]] = []
-        for k, (_, rows, b, code, _, _) in enumerate(shapes):
-            for i in rows:
-                frees_rows[i] = frs[k] if code else zero
-                takes_rows[i] = tks[k]
-            new.append((rows, b, code, los[k], his[k], lo1s[k] if code else los[k], hi1s[k], tails[k]))
-        if not self._fits_moves(takes_rows):
-            return None
-        self._place_moves(seq_list, frees_rows, takes_rows)
-        for rows, b, code, lo0, hi0, lo1, hi1, tail in new:
-            d_lo = sum(lo1) - sum(lo0) if code else 0
-            d_held = sum(hi1) - sum(hi0) - d_lo
-            for i in rows:
-                self.held_blocks[i] += d_held
-                self._floor[i] += d_lo * b
-                self._tail[i] += tail
-            index = rows[0] if len(rows) == 1 else np.array(rows)[:, None]
-            if d_lo:
-                self._lo[index, seqs] = lo1
-            self._hi[index, seqs] = hi1
-        self._q[seqs] = targets
-        return owned
+        return owned, los, his, lo1s, hi1s, frs, tks, tails
 
-    def _fits_moves(self, takes: list[list[int]]) -> bool:
-        """:meth:`can_take_all` of per-row lists (``takes[r][s]``)."""
-        return self.can_take_all(np.array(takes, dtype=np.int64))
+    def _fits_moves(self, takes: list[list[int]], frees: list[list[int]]) -> bool:
+        """Whether one step's moves (per row and sequence, ``takes[r][s]``, ``frees[r][s]``)
+        surely fit: :meth:`_stretch_fits` of that one step."""
+        per_seq = np.array(takes, dtype=np.int64)
+        return self._stretch_fits(per_seq.sum(axis=1)[None, :], np.array(frees, dtype=np.int64).sum(axis=1)[None, :],
+                                  per_seq[:, None, :]) == 1
 
     def _place_moves(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
         """:meth:`_place_many` of per-row lists."""
@@ -1034,6 +1057,81 @@ class HybridManager:
                         oow * tb, free[i]])
         out.append([0, 0, 0, self._fixed_padding(), 0, free[-1]])
         return out
+
+    # ------------------------------------------------- the split as a few sums
+
+    def split_basis(self) -> np.ndarray:
+        """The split as a linear map of a few sums (:meth:`_basis`): ``[sums, (rows + 1) ·
+        categories]``, so that ``split.ravel() == sums @ split_basis()``. The sums are Σ
+        computed, the pool's fixed padding, per attention shape its blocks held, kept
+        floor, tails and window starts, per state row its states, then the free bytes of
+        every row and the pool: a recorder integrates these over time, not the split."""
+        R, C = len(self.rows) + 1, len(CATEGORIES)
+        S = len(self._attn_shapes)
+        out = np.zeros((2 + 4 * S + len(self._state_rows) + R, R, C), dtype=np.float64)
+        out[1, R - 1, PADDING] = 1
+        for si, (_, members, b, _, _, _) in enumerate(self._attn_shapes):
+            held, floor, tail, start = 2 + 4 * si + np.arange(4)
+            for i in members:
+                _, _, tb, ppb, _, ws, *_ = self._split_info[i]
+                out[0, i, TOKEN] += tb
+                out[start if ws else floor, i, TOKEN] -= tb
+                out[held, i, RESERVATION] += b * tb
+                out[0, i, RESERVATION] -= tb
+                out[floor, i, RESERVATION] += tb
+                out[tail, i, RESERVATION] -= tb
+                out[tail, i, INTERNAL] += tb
+                out[held, i, PADDING] += ppb
+                if ws:
+                    out[start, i, OUT_OF_WINDOW] += tb
+                    out[floor, i, OUT_OF_WINDOW] -= tb
+        for k, i in enumerate(self._state_rows):
+            _, _, _, ppb, sb, *_ = self._split_info[i]
+            out[2 + 4 * S + k, i, TOKEN] = sb
+            out[2 + 4 * S + k, i, PADDING] = ppb
+        for i in range(R):
+            out[2 + 4 * S + len(self._state_rows) + i, i, FREE] = 1
+        return out.reshape(len(out), R * C)
+
+    def _basis(self, computed: np.ndarray | None, stored: int) -> tuple[list[int], int, int, int]:
+        """The sums :meth:`split_basis` maps to the split, now, and the split's token
+        states, free and everything else held, all bytes (``stored``: Σ ``computed``;
+        ``computed`` is read only by windowed rows). Raises if a part of the split would be
+        negative or the parts would not add up to the pool."""
+        free = self._free_bytes()
+        fixed = self._fixed_padding()
+        nseq = len(self._live)
+        sums = [stored, fixed]
+        token = held_bytes = 0
+        elsewhere = fixed
+        for rep, ws, w, c, b, tb, ppb, bb in self._basis_info:
+            held, floor, tail = self.held_blocks[rep], self._floor[rep], self._tail[rep]
+            start = 0
+            if ws and nseq:
+                assert computed is not None
+                start = int(np.maximum(computed - (w - 1), 0).sum()) if ws == 1 else int((computed // c * c).sum())
+            sums += (held, floor, tail, start)
+            read = stored - start if ws else stored - floor
+            oow = start - floor if ws else 0
+            if read < 0 or oow < 0 or held * b - (stored - floor) - tail < 0 or tail < 0:
+                raise AssertionError(f"broken byte split: a part of row {self.rows[rep].label!r} is negative\n"
+                                     f"{np.array(self._split_rows(None, computed, stored))}")
+            token += read * tb
+            elsewhere += (tail + oow) * tb + held * ppb
+            held_bytes += held * bb
+        for i in self._state_rows:
+            held = self.held_blocks[i]
+            _, _, _, ppb, sb, *_ = self._split_info[i]
+            sums.append(held)
+            token += held * sb
+            elsewhere += held * ppb
+            held_bytes += held * self.rows[i].block_bytes
+        sums += free
+        total = sum(free)
+        if held_bytes + total + fixed != self.capacity or min(free) < 0:
+            raise AssertionError(f"broken byte split: sums to {held_bytes + total + fixed:,} of {self.capacity:,}\n"
+                                 f"{np.array(self._split_rows(None, computed, stored))}")
+        return sums, token, total, elsewhere
 
     def split_slow(self, seqs: np.ndarray, computed: np.ndarray) -> np.ndarray:
         """:meth:`split` from each sequence's own blocks (tests and ``check=True``)."""

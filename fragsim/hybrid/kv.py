@@ -48,16 +48,17 @@ class HybridKV:
         self.live = live
         #: the computed lengths alone (``live``'s second half), read where the split needs them
         self.computed = computed or (lambda: live()[1])
-        # The manager's split as lists when it keeps the base one (the totals are then
-        # summed in plain ints); a manager that adjusts the split is asked for its array.
-        self._split_rows = manager._split_rows if type(manager).split is HybridManager.split else None
+        # A manager that keeps the base split records, each step, the few sums the split
+        # is linear in (the totals are summed in plain ints); one that adjusts the split is
+        # asked for its array.
+        self._basis = manager._basis if type(manager).split is HybridManager.split else None
         self._allocate = manager._allocate if type(manager).allocate is HybridManager.allocate else None
         self._extend_owned = manager._extend_owned if type(manager).extend is HybridManager.extend else None
         # Every free byte allocatable (the largest allocatable is the free column): the
         # recorder's stretch path then knows the fragmentation ratio is 0 without dividing.
         self._largest_is_free = type(manager).largest_allocatable is HybridManager.largest_allocatable
         self.split_rec = SplitRecorder(manager.labels, kind_of_rows(manager.rows), manager.capacity,
-                                       resolution_s)
+                                       resolution_s, manager.split_basis() if self._basis is not None else None)
 
     # -------------------------------------------------------------- the totals
 
@@ -111,27 +112,17 @@ class HybridKV:
         """The split held for ``dt`` from ``now``, from the manager (``token_states``: the
         engine's count of computed tokens, Σ of what ``live`` says; the manager counts bytes)."""
         m = self.manager
-        if self._split_rows is None:
+        if self._basis is None:
             split = self.current_split()
             free = int(split[:, FREE].sum())
             rec.record(now, dt, int(split[:, TOKEN].sum()), m.capacity - free,
                        int(split[:, HELD_ELSEWHERE].sum()), m.largest_allocatable(), running, waiting)
             self.split_rec.record(now, dt, split, m.num_used_blocks())
             return
-        rows = self._split_rows(None, self.computed() if m.reads_windows else None, token_states)
-        token = free = elsewhere = total = 0
-        least = rows[0][0]
-        for row in rows:
-            token += row[TOKEN]
-            free += row[FREE]
-            elsewhere += row[INTERNAL] + row[PADDING] + row[OUT_OF_WINDOW]
-            total += sum(row)
-            low = min(row)
-            if low < least:
-                least = low
+        sums, token, free, elsewhere = self._basis(self.computed() if m.reads_windows else None, token_states)
         rec.record(now, dt, token, m.capacity - free, elsewhere,
                    free if self._largest_is_free else m.largest_allocatable(), running, waiting)
-        self.split_rec.record(now, dt, rows, m.num_used_blocks(), total, least)
+        self.split_rec.record_sums(now, dt, sums, m.num_used_blocks())
 
     def record_steps(self, rec: Recorder, now: float, dts: np.ndarray, splits: np.ndarray,
                      largest: np.ndarray, used: np.ndarray, running: int, waiting: np.ndarray) -> None:

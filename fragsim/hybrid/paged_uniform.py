@@ -107,7 +107,7 @@ class PagedUniformManager(HybridManager):
             self._slot[seq] = self._state_free.pop(0)
         return True
 
-    def _fits_moves(self, takes: list[list[int]]) -> bool:
+    def _fits_moves(self, takes: list[list[int]], frees: list[list[int]]) -> bool:
         """:meth:`_stretch_fits` of one step, in plain ints (a decode step takes no state)."""
         return not self._attention or sum(takes[self._attention[0]]) <= self.num_free_blocks()
 

@@ -23,7 +23,7 @@ class SplitRecorder:
     """Time integrals of a ``[rows, categories]`` byte matrix."""
 
     def __init__(self, labels: list[str], kinds: list[str], capacity: int,
-                 resolution_s: float | None) -> None:
+                 resolution_s: float | None, basis: np.ndarray | None = None) -> None:
         self.labels, self.kinds, self.capacity = labels, kinds, capacity
         self.resolution_s = resolution_s
         self._shape = (len(labels), len(CATEGORIES))
@@ -37,6 +37,11 @@ class SplitRecorder:
         self._bucket_span: dict[int, float] = {}
         #: per kind, further summary keys (the engine's prefix-cache hit rates)
         self.extra_by_kind: dict[str, dict[str, float]] = {}
+        # States given as sums (record_sums) are integrated as sums, and mapped to the
+        # split through ``basis`` (``[sums, rows · categories]``) when it is read.
+        self._basis = basis
+        self._sums: list[float] = [0.0] * (0 if basis is None else len(basis))
+        self._sum_buckets: dict[int, list[float]] = {}
 
     def record(self, t: float, dt: float, split: np.ndarray | list[list[int]], used_blocks: int,
                total: int | None = None, least: int | None = None) -> None:
@@ -56,6 +61,22 @@ class SplitRecorder:
         self._used_blocks += used_blocks * dt
         if self.resolution_s is not None:
             self._bucket(int(t // self.resolution_s), weighted, dt)
+
+    def record_sums(self, t: float, dt: float, sums: list[int], used_blocks: int) -> None:
+        """One state held for ``dt`` from ``t``, given as the sums the split is linear in
+        (:meth:`HybridManager._basis <fragsim.hybrid.base.HybridManager._basis>`, which
+        checks the identity)."""
+        if dt <= 0:
+            return
+        weighted = [v * dt for v in sums]
+        self._sums = list(map(add, self._sums, weighted))
+        self._span += dt
+        self._used_blocks += used_blocks * dt
+        if self.resolution_s is not None:
+            b = int(t // self.resolution_s)
+            acc = self._sum_buckets.get(b)
+            self._sum_buckets[b] = weighted if acc is None else list(map(add, acc, weighted))
+            self._bucket_span[b] = self._bucket_span.get(b, 0.0) + dt
 
     def record_steps(self, t0: float, dts: np.ndarray, splits: np.ndarray,
                      used_blocks: np.ndarray, totals: np.ndarray | None = None) -> None:
@@ -91,18 +112,21 @@ class SplitRecorder:
     def _bucket(self, b: int, weighted: list[float], span: float) -> None:
         """Add to bucket ``b`` (``weighted``: flat, row-major; the bucket keeps a copy)."""
         acc = self._buckets.get(b)
-        if acc is not None:
-            self._buckets[b] = list(map(add, acc, weighted))
-            self._bucket_span[b] += span
-        else:
-            self._buckets[b] = list(weighted)
-            self._bucket_span[b] = span
+        self._buckets[b] = list(weighted) if acc is None else list(map(add, acc, weighted))
+        self._bucket_span[b] = self._bucket_span.get(b, 0.0) + span
+
+    def _integral_of(self, full: list[float] | None, sums: list[float] | None) -> np.ndarray:
+        """A time integral of the split, ``[rows, categories]``, from its parts."""
+        out = np.zeros(self._shape) if full is None else np.array(full, dtype=np.float64).reshape(self._shape)
+        if sums is not None and self._basis is not None:
+            out = out + (np.array(sums, dtype=np.float64) @ self._basis).reshape(self._shape)
+        return out
 
     # -- output ----------------------------------------------------------------
 
     def means(self) -> np.ndarray:
         """Time-weighted mean bytes, ``[rows, categories]``."""
-        integral = np.array(self._integral, dtype=np.float64).reshape(self._shape)
+        integral = self._integral_of(self._integral, self._sums)
         return integral / self._span if self._span > 0 else np.zeros_like(integral)
 
     def mean_used_blocks(self) -> float:
@@ -139,11 +163,11 @@ class SplitRecorder:
     def timeseries(self) -> dict[str, np.ndarray]:
         """Per bucket: start time and the mean bytes of each kind and category
         (columns ``<kind>.<category>``)."""
-        keys = sorted(self._buckets)
+        keys = sorted(self._bucket_span)
         out: dict[str, np.ndarray] = {
             "time_s": np.array(keys, dtype=np.float64) * (self.resolution_s or 0.0)}
         spans = np.array([self._bucket_span[k] for k in keys])
-        buckets = {k: np.array(self._buckets[k], dtype=np.float64).reshape(self._shape) for k in keys}
+        buckets = {k: self._integral_of(self._buckets.get(k), self._sum_buckets.get(k)) for k in keys}
         kinds = list(dict.fromkeys(self.kinds))
         for kind in kinds:
             rows = [r for r, k in enumerate(self.kinds) if k == kind]

@@ -134,7 +134,7 @@ class StaticPartitionManager(HybridManager):
                 head = 0
             self._head[row] = head
 
-    def _fits_moves(self, takes: list[list[int]]) -> bool:
+    def _fits_moves(self, takes: list[list[int]], frees: list[list[int]]) -> bool:
         """:meth:`_stretch_fits` of one step, in plain ints: each pool holds its row's takes."""
         return all(sum(t) <= self.free_blocks(i) for i, t in enumerate(takes))
 

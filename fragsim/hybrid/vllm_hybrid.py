@@ -114,7 +114,7 @@ class VllmHybridManager(HybridManager):
     def _count_steps(self, frees: np.ndarray, takes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self._count_one_pool(frees, takes, self.bytes_per_block, self.num_blocks - 1)
 
-    def _fits_moves(self, takes: list[list[int]]) -> bool:
+    def _fits_moves(self, takes: list[list[int]], frees: list[list[int]]) -> bool:
         return sum(map(sum, takes)) <= self.num_free_blocks()
 
     def _place_moves(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:

@@ -200,8 +200,8 @@ class VllmPrefixManager(VllmHybridManager):
     def _place_moves(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
         HybridManager._place_moves(self, seqs, frees, takes)
 
-    def _fits_moves(self, takes: list[list[int]]) -> bool:
-        return HybridManager._fits_moves(self, takes)
+    def _fits_moves(self, takes: list[list[int]], frees: list[list[int]]) -> bool:
+        return HybridManager._fits_moves(self, takes, frees)
 
     def _release(self, seq: int) -> None:
         for i, table in enumerate(self._tables.pop(seq, [])):
