@@ -339,3 +339,27 @@ def test_jenga_moves_never_run_out_of_pages() -> None:
                     for s in seqs.tolist():
                         requested[s] += taken
         m.check()
+
+
+@pytest.mark.parametrize("kind", ["vllm", "jenga", "static"])
+def test_recorded_sums_refuse_a_broken_split(kind: str) -> None:
+    """A step records the sums its split is linear in (mapping back to the split exactly);
+    a lost block or a negative part is refused there, as the full split would be."""
+    m = _make(kind, 60_000)
+    m.bind_finals(np.full(64, 64))
+    assert m.allocate(0, 9) is not None and m.allocate(1, 5) is not None
+    assert m.extend(0, 1)
+    seqs, computed = np.array([0, 1]), np.array([9, 0])
+    sums, token, free, elsewhere = m._basis(computed, int(computed.sum()))
+    split = m.split(seqs, computed)
+    assert np.array_equal((np.array(sums, dtype=np.float64) @ m.split_basis()).reshape(split.shape), split)
+    assert (token, free) == (split[:, CATEGORIES.index("token_states")].sum(), split[:, CATEGORIES.index("free")].sum())
+    assert elsewhere == split[:, [CATEGORIES.index(c) for c in ("internal_fragmentation", "padding",
+                                                                "out_of_window")]].sum()
+    m.held_blocks[0] += 1   # a block held that no sequence has
+    with pytest.raises(AssertionError, match="sums to"):
+        m._basis(computed, int(computed.sum()))
+    m.held_blocks[0] -= 1
+    m._tail[0] = -4
+    with pytest.raises(AssertionError, match="negative"):
+        m._basis(computed, int(computed.sum()))
