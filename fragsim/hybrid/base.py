@@ -253,6 +253,8 @@ class HybridManager:
                             for members, (_, _, b, _, w, c) in
                             zip(([m for _, m, *_ in self._attn_shapes]), self._attn_shapes, strict=True)]
         self._shape_of_rows = np.array([max(si, 0) for si in self._row_shape], dtype=np.int64)
+        #: every row is its own attention shape, in order (per-shape arrays are per row)
+        self._rows_are_shapes = self._row_shape == list(range(len(rows)))
 
     # ---------------------------------------------------------------- lengths
 
@@ -580,7 +582,7 @@ class HybridManager:
         return np.where(hi > lo, np.maximum(0, hi * b - np.maximum(finals, lo * b)), 0)
 
     def stretch(self, seqs: np.ndarray, reqs: np.ndarray, filled0: np.ndarray, k: int,
-                head_tokens: int | None, first_step_first: bool = False
+                head_tokens: int | None, first_step_first: bool = False, owned: np.ndarray | None = None
                 ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Up to ``k`` decode steps of the sequences ``seqs`` (all that hold memory), the
         sequence at ``filled0`` tokens computing token ``filled0 + j`` in step ``j``.
@@ -602,17 +604,13 @@ class HybridManager:
         S = len(shapes)
         params = [(b, code, w, c) for _, _, b, code, w, c in shapes]
         cap = self.max_seq_len + 1
-        # Each sequence's first move: the first step whose target passes what it owns.
-        los, his = self._lo[self._reps, seqs], self._hi[self._reps, seqs]    # [S, n]
-        owned = np.full(n, cap, dtype=np.int64)
-        for (b, code, w, c), lo0, hi0 in zip(params, los, his, strict=True):
-            np.minimum(owned, hi0 * b, out=owned)
-            if code == 1:
-                np.minimum(owned, (lo0 + 1) * b + (w - 1), out=owned)
-            elif code == 2:
-                np.minimum(owned, -(-((lo0 + 1) * b) // c) * c, out=owned)
+        # Each sequence's first move: the first step whose target passes what it owns
+        # (``owned``: :meth:`owned_many` of ``seqs``, when the caller keeps it).
+        if owned is None:
+            owned = self.owned_many(seqs)
         j0 = np.maximum(owned - filled0, 0)   # a prompt just computed may be past its window
         movers = np.flatnonzero(j0 < k)
+        los, his = self._lo[self._reps, seqs[movers]], self._hi[self._reps, seqs[movers]]   # [S, movers]
         # The moves, sequence by sequence (plain ints: a stretch moves a few sequences a
         # few times): per step, the blocks each row takes and frees and the change of the
         # kept sums per shape; per move, the sequence's blocks after it.
@@ -623,7 +621,7 @@ class HybridManager:
         m_seq = seqs[movers].tolist()
         m_fin = finals[seqs[movers]].tolist() if finals is not None and (not m_seq or len(finals) > max(m_seq)) \
             else [self._final(x) for x in m_seq]
-        m_lo, m_hi = los[:, movers].T.tolist(), his[:, movers].T.tolist()
+        m_lo, m_hi = los.T.tolist(), his.T.tolist()
         tail_of = self._tail_of
         shape_rows = [rows for _, rows, *_ in shapes]
         moves: list[tuple[int, int, int, list[int], list[int], list[int], list[int]]] = []
@@ -631,16 +629,15 @@ class HybridManager:
         # stall in runs: ``first_step_first`` (the caller's last stretch stalled) tries the
         # first step alone first (the limits read no later step to stop there).
         for kk in ((1, k) if first_step_first and k > 1 and 0 in m_j0 else (k,)):
-            step_takes = np.zeros((kk, S), dtype=np.int64)   # per shape, then per row
-            step_frees = np.zeros((kk, S), dtype=np.int64)
-            d_sums = np.zeros((3, kk, S), dtype=np.int64)     # held, floor (blocks), tail
+            # per step and shape: blocks taken, freed, and the changes of the kept sums
+            # (held, floor in blocks, tail)
             moves = []
-            st_rows = step_takes.tolist()
-            sf_rows = step_frees.tolist()
-            ds = d_sums.tolist()
+            st_rows = [[0] * S for _ in range(kk)]
+            sf_rows = [[0] * S for _ in range(kk)]
+            ds = [[[0] * S for _ in range(kk)] for _ in range(3)]
             if len(m_cols) * kk > self._STRETCH_EVENTS_NP:
                 moves, st_rows, sf_rows, ds = self._stretch_events(
-                    kk, movers, filled0[movers], j0[movers], los[:, movers], his[:, movers],
+                    kk, movers, filled0[movers], j0[movers], los, his,
                     np.array(m_fin, dtype=np.int64))
                 m_iter: Any = ()
             else:
@@ -693,8 +690,10 @@ class HybridManager:
                     if limit - f0 <= j:
                         raise AssertionError("a sequence's blocks did not move where its length said")
                     j = limit - f0
-            step_takes = np.array(st_rows, dtype=np.int64).reshape(kk, S)[:, self._shape_of_rows]
-            step_frees = np.array(sf_rows, dtype=np.int64).reshape(kk, S)[:, self._shape_of_rows]
+            step_takes = np.array(st_rows, dtype=np.int64).reshape(kk, S)
+            step_frees = np.array(sf_rows, dtype=np.int64).reshape(kk, S)
+            if not self._rows_are_shapes:   # per shape, then per row
+                step_takes, step_frees = step_takes[:, self._shape_of_rows], step_frees[:, self._shape_of_rows]
             if self._has_state_rows:
                 step_takes[:, self._state_rows] = 0
                 step_frees[:, self._state_rows] = 0
@@ -712,10 +711,10 @@ class HybridManager:
             if limit == 0:
                 break
         k = min(k, limit)
-        empty = np.zeros((0, R + 1, len(CATEGORIES)), dtype=np.int64)
         if k <= 0:
-            return 0, empty, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.full(n, -1)
-        if any(mv[0] >= k for mv in moves):
+            return (0, np.zeros((0, R + 1, len(CATEGORIES)), dtype=np.int64), np.zeros(0, dtype=np.int64),
+                    np.zeros(0, dtype=np.int64), np.full(n, -1))
+        if k < kk:
             moves = [mv for mv in moves if mv[0] < k]
         if self._counts_only():
             # Counts: the moves of a step add up in any order, and the free units after

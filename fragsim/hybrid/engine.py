@@ -209,6 +209,7 @@ class HybridEngine(Engine):
         m, b = self.manager, self.batch
         for row in range(b.n):
             assert m.num_requested(int(b.seq[row])) == b.requested[row]
+            assert m.num_owned(int(b.seq[row])) == b.owned[row], "the engine's growth threshold is not the manager's"
         # The record's token count stands for Σ computed in the split.
         token_states = b.offset_sum() + b.n * self.g + sum(p.done for p in self.prefilling)
         assert int(self._computed().sum()) == token_states, "token count and computed lengths differ"
@@ -269,7 +270,7 @@ class HybridEngine(Engine):
         filled0 = b.offset[:n] + self.g
         m_seqs = b.seq[:n].copy()
         k, splits, largest, used, last = m.stretch(m_seqs, b.req[:n], filled0, run.k, self._head_tokens(),
-                                                   first_step_first=self._stalls > 0)
+                                                   first_step_first=self._stalls > 0, owned=b.owned[:n])
         if k <= 0:
             self._stalls += 1
             self._skip_stretches = min(1 << (self._stalls - 1), 16)

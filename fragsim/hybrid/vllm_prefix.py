@@ -462,7 +462,7 @@ class VllmPrefixManager(VllmHybridManager):
         return out
 
     def stretch(self, seqs: np.ndarray, reqs: np.ndarray, filled0: np.ndarray, k: int,
-                head_tokens: int | None, first_step_first: bool = False
+                head_tokens: int | None, first_step_first: bool = False, owned: np.ndarray | None = None
                 ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The base stretch, cut before the first step where a window reaches a shared
         block (its out-of-window excess, or its sharing, would change); the shared
@@ -472,7 +472,7 @@ class VllmPrefixManager(VllmHybridManager):
             R = len(self.rows)
             return (0, np.zeros((0, R + 1, len(CATEGORIES)), dtype=np.int64), np.zeros(0, dtype=np.int64),
                     np.zeros(0, dtype=np.int64), np.full(len(seqs), -1))
-        out = super().stretch(seqs, reqs, filled0, k, head_tokens, first_step_first)
+        out = super().stretch(seqs, reqs, filled0, k, head_tokens, first_step_first, owned)
         split = out[1]
         for i, row in enumerate(self.rows):
             if self.dup[i]:
