@@ -4,6 +4,7 @@
     python benchmarks/sim_speed.py --million       # also peak RSS at 1M requests
     python benchmarks/sim_speed.py --json          # one JSON object per measurement
     python benchmarks/sim_speed.py --peer --runs 7 # the peer configuration only, min/median of 7
+    python benchmarks/sim_speed.py --hybrid --runs 3  # hybrid models beside their dense runs, in rounds
 
 Each measurement runs in a fresh process so that its peak RSS is its own. The
 real-time factor is simulated seconds per wall second of the engine run (trace
@@ -119,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     plan: list[tuple[str, dict[str, Any], int, int | None]] = []
     if args.hybrid:
-        for model in HYBRID_MODELS:
-            plan += [(a, {**PEER, "model": model}, 1, None) for a in ("vllm", *HYBRID_MANAGERS)]
-        return _report(plan, args)
+        return _report_hybrid(args)
     if not args.peer:
         plan += [(a, {}, 1, None) for a in PRESETS]
     plan.append(("vllm", PEER, 1, None))
@@ -132,26 +131,56 @@ def main(argv: list[str] | None = None) -> int:
     return _report(plan, args)
 
 
+def _print_row(row: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.json:
+        print(json.dumps(row), flush=True)
+        return
+    fastest = f" (min {row['wall_min_s']:.2f})" if "wall_min_s" in row else ""
+    print(f"{row['allocator']:>16} {row['config']:>7} x{row['trace_x']:<3} "
+          f"{row['num_requests']:>9,} req  wall {row['wall_s']:>8.2f} s{fastest}  "
+          f"sim {row['sim_s']:>10,.0f} s  "
+          f"RTF {row['real_time_factor']:>8,.0f}  steps {row['steps']:>10,}  "
+          f"events {row['events']:>9,}  RSS {row['peak_rss_mb']:>7,.0f} MB", flush=True)
+
+
+def _report_hybrid(args: argparse.Namespace) -> int:
+    """Each hybrid model's dense run and managers, measured in rounds (the dense run, then
+    each manager; ``--runs`` rounds), so that every manager's run is paired with the dense
+    run of its round: the ratio is the median of the pairs' ratios, which a shared
+    machine's drift between rounds moves less than a ratio of medians."""
+    import statistics
+
+    for model in HYBRID_MODELS:
+        names = ("vllm", *HYBRID_MANAGERS)
+        runs: dict[str, list[dict[str, Any]]] = {a: [] for a in names}
+        for _ in range(args.runs):
+            for a in names:
+                runs[a].append(measure(a, {**PEER, "model": model}))
+        for a in names:
+            ordered = sorted(runs[a], key=lambda r: r["wall_s"])
+            row = dict(ordered[(len(ordered) - 1) // 2])
+            if args.runs > 1:
+                row["wall_min_s"], row["runs"] = ordered[0]["wall_s"], args.runs
+            if a != "vllm":
+                ratios = [r["wall_s"] / d["wall_s"] for r, d in zip(runs[a], runs["vllm"], strict=True)]
+                row["wall_vs_dense"] = round(statistics.median(ratios), 3)
+                row["wall_vs_dense_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
+            _print_row(row, args)
+        if not args.json:
+            for a in HYBRID_MANAGERS:
+                ratios = [r["wall_s"] / d["wall_s"] for r, d in zip(runs[a], runs["vllm"], strict=True)]
+                spread = f" (pairs {min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+                print(f"{model} {a}: wall {statistics.median(ratios):.2f}x of the same trace on the model "
+                      f"as dense (vllm){spread}", flush=True)
+    return 0
+
+
 def _report(plan: list[tuple[str, dict[str, Any], int, int | None]], args: argparse.Namespace) -> int:
     rows = []
     for item in plan:
         row = measure_runs(item, args.runs)
         rows.append(row)
-        if args.json:
-            print(json.dumps(row), flush=True)
-        else:
-            fastest = f" (min {row['wall_min_s']:.2f})" if "wall_min_s" in row else ""
-            print(f"{row['allocator']:>16} {row['config']:>7} x{row['trace_x']:<3} "
-                  f"{row['num_requests']:>9,} req  wall {row['wall_s']:>8.2f} s{fastest}  "
-                  f"sim {row['sim_s']:>10,.0f} s  "
-                  f"RTF {row['real_time_factor']:>8,.0f}  steps {row['steps']:>10,}  "
-                  f"events {row['events']:>9,}  RSS {row['peak_rss_mb']:>7,.0f} MB", flush=True)
-    dense = {r["model"]: r for r in rows if r["allocator"] == "vllm" and r["config"] == "peer"}
-    if args.hybrid and not args.json:
-        for r in rows:
-            if r["allocator"] != "vllm" and r["model"] in dense:
-                print(f"{r['model']} {r['allocator']}: wall {r['wall_s'] / dense[r['model']]['wall_s']:.2f}x "
-                      "of the same trace on the model as dense (vllm)")
+        _print_row(row, args)
     base = next((r for r in rows if r["allocator"] == "vllm" and r["trace_x"] == 1 and r["config"] == "default"), None)
     if base and not args.json:
         for r in rows:

@@ -341,7 +341,7 @@ def test_jenga_moves_never_run_out_of_pages() -> None:
         m.check()
 
 
-@pytest.mark.parametrize("kind", ["vllm", "jenga", "static"])
+@pytest.mark.parametrize("kind", ["vllm", "jenga", "static", "uniform"])
 def test_recorded_sums_refuse_a_broken_split(kind: str) -> None:
     """A step records the sums its split is linear in (mapping back to the split exactly);
     a lost block or a negative part is refused there, as the full split would be."""

@@ -204,9 +204,13 @@ class HybridManager:
         self._frees_any = bool(self._sliding.any() or self._chunked.any())
         # Rows of one shape (kind, window, chunk, block) hold the same blocks of every
         # sequence (vLLM's groups of one kind): per-position sums are computed once a shape.
+        # Attention rows that free nothing (paged-uniform's) hold the same blocks whatever
+        # their kind or window: one shape of a block size (their window starts differ, and
+        # the split works them out per window: _split_groups).
         shapes: dict[tuple, int] = {}
-        self._shape = [shapes.setdefault((r.is_state, r.kind, r.block_tokens, r.window, r.chunk,
-                                          r.frees_window), len(shapes)) for r in rows]
+        self._shape = [shapes.setdefault((False, "keeps all", r.block_tokens) if not r.is_state and not r.frees_window
+                                         else (r.is_state, r.kind, r.block_tokens, r.window, r.chunk, r.frees_window),
+                                         len(shapes)) for r in rows]
         # Each row's parameters as plain ints, for the per-sequence paths (numpy scalars
         # cost more than the arithmetic): (is_state, block, frees: 0 none, 1 sliding,
         # 2 chunked, window, chunk).
@@ -243,15 +247,23 @@ class HybridManager:
         # blocked queue head asks again every step.
         self._fresh_of: tuple[int, tuple[list[int], list[int], list[int], list[int]]] = (-1, ([], [], [], []))
         self._has_state_rows = bool(self._state_rows)
-        # Per attention shape, for :meth:`_basis`: a row of it, window start (0 none, 1
-        # sliding, 2 chunked), window, chunk, block, and the sums over its rows of bytes
-        # per token, padding per block and bytes per block.
-        self._basis_info = [(members[0], self._split_info[members[0]][5], w, c, b,
-                             sum(self._split_info[i][2] for i in members),
-                             sum(self._split_info[i][3] for i in members),
-                             sum(rows[i].block_bytes for i in members))
-                            for members, (_, _, b, _, w, c) in
-                            zip(([m for _, m, *_ in self._attn_shapes]), self._attn_shapes, strict=True)]
+        # Split groups: the rows of an attention shape with one window start (0 none, 1
+        # sliding, 2 chunked; window, chunk): (shape, its rows, start, window, chunk).
+        self._split_groups: list[tuple[int, list[int], int, int, int]] = []
+        for si, (_, members, *_) in enumerate(self._attn_shapes):
+            groups: dict[tuple[int, int, int], list[int]] = {}
+            for i in members:
+                ws, w, c = self._split_info[i][5:8]
+                groups.setdefault((ws, w, c) if ws else (0, 1, 1), []).append(i)
+            self._split_groups += [(si, group, *key) for key, group in groups.items()]
+        # Per split group, for :meth:`_basis`: a row of its shape, window start, window,
+        # chunk, block, and the sums over its rows of bytes per token, padding per block
+        # and bytes per block.
+        self._basis_info = [(self._attn_shapes[si][0], ws, w, c, self._attn_shapes[si][2],
+                             sum(self._split_info[i][2] for i in group),
+                             sum(self._split_info[i][3] for i in group),
+                             sum(rows[i].block_bytes for i in group))
+                            for si, group, ws, w, c in self._split_groups]
         self._shape_of_rows = np.array([max(si, 0) for si in self._row_shape], dtype=np.int64)
         #: every row is its own attention shape, in order (per-shape arrays are per row)
         self._rows_are_shapes = self._row_shape == list(range(len(rows)))
@@ -751,7 +763,8 @@ class HybridManager:
                 self._floor[r] += tot[1][si] * b
                 self._tail[r] += tot[2][si]
         # The split of every step: the kept sums before the stretch plus their changes,
-        # worked out a shape at a time (its rows differ only in bytes per token and block).
+        # worked out a split group at a time (an attention shape's rows of one window: they
+        # differ only in bytes per token and block).
         out = np.zeros((k, R + 1, len(CATEGORIES)), dtype=np.int64)
         stored = int(filled0.sum()) + n * np.arange(k, dtype=np.int64)
         info = self._split_info
@@ -760,14 +773,16 @@ class HybridManager:
                 out[:, i, PADDING] = self.held_blocks[i] * ppb
                 out[:, i, TOKEN] = self.held_blocks[i] * sb
         f: np.ndarray | None = None
-        for si, (rows, (b, _, w, c)) in enumerate(zip(shape_rows, params, strict=True)):
-            r0 = rows[0]
-            held = self.held_blocks[r0] - tot[0][si] + sums[0, :, si]
-            floor = self._floor[r0] - tot[1][si] * b + sums[1, :, si] * b
-            tail = self._tail[r0] - tot[2][si] + sums[2, :, si]
+        kept: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        for si, rows, ws, w, c in self._split_groups:
+            r0, b = shape_rows[si][0], params[si][0]
+            if si not in kept:
+                kept[si] = (self.held_blocks[r0] - tot[0][si] + sums[0, :, si],
+                            self._floor[r0] - tot[1][si] * b + sums[1, :, si] * b,
+                            self._tail[r0] - tot[2][si] + sums[2, :, si])
+            held, floor, tail = kept[si]
             in_held = stored - floor
             reserved = held * b - in_held - tail
-            ws = info[r0][5]
             oow: Any = None
             if ws:
                 if f is None:
@@ -778,13 +793,14 @@ class HybridManager:
             else:
                 token = in_held
             if len(rows) == 1:
-                tb, ppb = info[r0][2], info[r0][3]
-                out[:, r0, TOKEN] = token * tb
-                out[:, r0, RESERVATION] = reserved * tb
-                out[:, r0, INTERNAL] = tail * tb
-                out[:, r0, PADDING] = held * ppb
+                r = rows[0]
+                tb, ppb = info[r][2], info[r][3]
+                out[:, r, TOKEN] = token * tb
+                out[:, r, RESERVATION] = reserved * tb
+                out[:, r, INTERNAL] = tail * tb
+                out[:, r, PADDING] = held * ppb
                 if oow is not None:
-                    out[:, r0, OUT_OF_WINDOW] = oow * tb
+                    out[:, r, OUT_OF_WINDOW] = oow * tb
                 continue
             tbs = np.array([info[r][2] for r in rows], dtype=np.int64)
             ppbs = np.array([info[r][3] for r in rows], dtype=np.int64)
@@ -1035,9 +1051,9 @@ class HybridManager:
             stored = int(computed.sum())
         nseq = len(self._live)
         free = self._free_bytes()
-        starts: dict[int, int] = {}
+        starts: dict[tuple[int, int, int], int] = {}
         out = []
-        for i, (state, b, tb, ppb, sb, ws, w, c, shape) in enumerate(self._split_info):
+        for i, (state, b, tb, ppb, sb, ws, w, c, _) in enumerate(self._split_info):
             held = self.held_blocks[i]
             if state:
                 out.append([held * sb, 0, 0, held * ppb, 0, free[i]])
@@ -1047,9 +1063,9 @@ class HybridManager:
             oow = 0
             if ws and nseq:
                 assert computed is not None
-                start = starts.get(shape)
+                start = starts.get((ws, w, c))
                 if start is None:
-                    start = starts[shape] = int(np.maximum(computed - (w - 1), 0).sum()) if ws == 1 \
+                    start = starts[(ws, w, c)] = int(np.maximum(computed - (w - 1), 0).sum()) if ws == 1 \
                         else int((computed // c * c).sum())
                 oow = start - floor
             out.append([(in_held - oow) * tb, (held * b - in_held - tail) * tb, tail * tb, held * ppb,
@@ -1062,15 +1078,17 @@ class HybridManager:
     def split_basis(self) -> np.ndarray:
         """The split as a linear map of a few sums (:meth:`_basis`): ``[sums, (rows + 1) ·
         categories]``, so that ``split.ravel() == sums @ split_basis()``. The sums are Σ
-        computed, the pool's fixed padding, per attention shape its blocks held, kept
-        floor, tails and window starts, per state row its states, then the free bytes of
+        computed, the pool's fixed padding, per split group (an attention shape's rows of
+        one window) the shape's blocks held, kept floor and tails and the group's window
+        starts, per state row its states, then the free bytes of
         every row and the pool: a recorder integrates these over time, not the split."""
         R, C = len(self.rows) + 1, len(CATEGORIES)
-        S = len(self._attn_shapes)
+        S = len(self._split_groups)
         out = np.zeros((2 + 4 * S + len(self._state_rows) + R, R, C), dtype=np.float64)
         out[1, R - 1, PADDING] = 1
-        for si, (_, members, b, _, _, _) in enumerate(self._attn_shapes):
-            held, floor, tail, start = 2 + 4 * si + np.arange(4)
+        for g, (si, members, *_) in enumerate(self._split_groups):
+            b = self._attn_shapes[si][2]
+            held, floor, tail, start = 2 + 4 * g + np.arange(4)
             for i in members:
                 _, _, tb, ppb, _, ws, *_ = self._split_info[i]
                 out[0, i, TOKEN] += tb
