@@ -352,6 +352,7 @@ def test_recorded_sums_refuse_a_broken_split(kind: str) -> None:
     seqs, computed = np.array([0, 1]), np.array([9, 0])
     sums, token, free, elsewhere = m._basis(computed, int(computed.sum()))
     split = m.split(seqs, computed)
+    assert np.array_equal(split, m.split_slow(seqs, computed))   # the sums' map, against every block
     assert np.array_equal((np.array(sums, dtype=np.float64) @ m.split_basis()).reshape(split.shape), split)
     assert (token, free) == (split[:, CATEGORIES.index("token_states")].sum(), split[:, CATEGORIES.index("free")].sum())
     assert elsewhere == split[:, [CATEGORIES.index(c) for c in ("internal_fragmentation", "padding",

@@ -267,6 +267,7 @@ class HybridManager:
         self._shape_of_rows = np.array([max(si, 0) for si in self._row_shape], dtype=np.int64)
         #: every row is its own attention shape, in order (per-shape arrays are per row)
         self._rows_are_shapes = self._row_shape == list(range(len(rows)))
+        self._basis_matrix: np.ndarray | None = None   # split_basis(), once built
 
     # ---------------------------------------------------------------- lengths
 
@@ -762,56 +763,29 @@ class HybridManager:
                 self.held_blocks[r] += tot[0][si]
                 self._floor[r] += tot[1][si] * b
                 self._tail[r] += tot[2][si]
-        # The split of every step: the kept sums before the stretch plus their changes,
-        # worked out a split group at a time (an attention shape's rows of one window: they
-        # differ only in bytes per token and block).
-        out = np.zeros((k, R + 1, len(CATEGORIES)), dtype=np.int64)
-        stored = int(filled0.sum()) + n * np.arange(k, dtype=np.int64)
-        info = self._split_info
-        for i, (state, _, _, ppb, sb, *_) in enumerate(info):
-            if state:
-                out[:, i, PADDING] = self.held_blocks[i] * ppb
-                out[:, i, TOKEN] = self.held_blocks[i] * sb
+        # The split of every step: the sums :meth:`split_basis` maps (the kept sums
+        # before the stretch plus their changes), worked out a split group at a time.
+        G, n_states = len(self._split_groups), len(self._state_rows)
+        step_sums = np.empty((k, 2 + 4 * G + n_states + R + 1), dtype=np.int64)
+        step_sums[:, 0] = int(filled0.sum()) + n * np.arange(k, dtype=np.int64)   # Σ computed
+        step_sums[:, 1] = self._fixed_padding()
         f: np.ndarray | None = None
-        kept: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        for si, rows, ws, w, c in self._split_groups:
+        for g, (si, _, ws, w, c) in enumerate(self._split_groups):
             r0, b = shape_rows[si][0], params[si][0]
-            if si not in kept:
-                kept[si] = (self.held_blocks[r0] - tot[0][si] + sums[0, :, si],
-                            self._floor[r0] - tot[1][si] * b + sums[1, :, si] * b,
-                            self._tail[r0] - tot[2][si] + sums[2, :, si])
-            held, floor, tail = kept[si]
-            in_held = stored - floor
-            reserved = held * b - in_held - tail
-            oow: Any = None
+            col = 2 + 4 * g
+            step_sums[:, col] = self.held_blocks[r0] - tot[0][si] + sums[0, :, si]
+            step_sums[:, col + 1] = self._floor[r0] - tot[1][si] * b + sums[1, :, si] * b
+            step_sums[:, col + 2] = self._tail[r0] - tot[2][si] + sums[2, :, si]
             if ws:
                 if f is None:
                     f = filled0[None, :] + np.arange(k, dtype=np.int64)[:, None]
-                start = np.maximum(f - (w - 1), 0).sum(axis=1) if ws == 1 else (f // c * c).sum(axis=1)
-                oow = start - floor
-                token = stored - start
+                step_sums[:, col + 3] = np.maximum(f - (w - 1), 0).sum(axis=1) if ws == 1 else (f // c * c).sum(axis=1)
             else:
-                token = in_held
-            if len(rows) == 1:
-                r = rows[0]
-                tb, ppb = info[r][2], info[r][3]
-                out[:, r, TOKEN] = token * tb
-                out[:, r, RESERVATION] = reserved * tb
-                out[:, r, INTERNAL] = tail * tb
-                out[:, r, PADDING] = held * ppb
-                if oow is not None:
-                    out[:, r, OUT_OF_WINDOW] = oow * tb
-                continue
-            tbs = np.array([info[r][2] for r in rows], dtype=np.int64)
-            ppbs = np.array([info[r][3] for r in rows], dtype=np.int64)
-            out[:, rows, TOKEN] = token[:, None] * tbs
-            out[:, rows, RESERVATION] = reserved[:, None] * tbs
-            out[:, rows, INTERNAL] = tail[:, None] * tbs
-            out[:, rows, PADDING] = held[:, None] * ppbs
-            if oow is not None:
-                out[:, rows, OUT_OF_WINDOW] = oow[:, None] * tbs
-        out[:, :, FREE] = free_rows
-        out[:, -1, PADDING] = self._fixed_padding()
+                step_sums[:, col + 3] = 0
+        for j, i in enumerate(self._state_rows):
+            step_sums[:, 2 + 4 * G + j] = self.held_blocks[i]
+        step_sums[:, 2 + 4 * G + n_states:] = free_rows
+        out = self._split_of(step_sums)
         return k, out, largest, used, last_target
 
     def _place_stretch(self, moves: list, k: int, seqs: np.ndarray,
@@ -902,9 +876,9 @@ class HybridManager:
     _needs_per_seq = True
 
     def _counts_only(self) -> bool:
-        """Whether the pool keeps block counts only (a stretch's moves then add up,
-        :meth:`_count_steps`)."""
-        return False
+        """Whether the pool keeps block counts only (``tracks_ids`` off: a batch's or a
+        stretch's moves then add up, :meth:`_count_steps`)."""
+        return not self.tracks_ids
 
     def _count_steps(self, frees: np.ndarray, takes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Steps in which each row of attention shape ``s`` frees ``frees[j, s]`` blocks and
@@ -1033,45 +1007,19 @@ class HybridManager:
 
     def split(self, seqs: np.ndarray, computed: np.ndarray) -> np.ndarray:
         """Bytes per row (and the pool, last) per category, for the live sequences
-        ``seqs`` that have ``computed`` tokens stored now."""
-        return np.array(self._split_rows(seqs, computed), dtype=np.int64)
-
-    def _split_rows(self, seqs: np.ndarray | None, computed: np.ndarray | None,
-                    stored: int | None = None) -> list[list[int]]:
-        """:meth:`split` as nested lists of ints (rows, then the pool's); ``stored``:
-        Σ ``computed``, when the caller knows it (``computed`` is then read only by
-        windowed rows, and may be None without them, :attr:`reads_windows`).
+        ``seqs`` that have ``computed`` tokens stored now: :meth:`split_basis` of
+        :meth:`_basis`'s sums.
 
         Out of the window, per row, is Σ max(0, s(f) − lo·B) over sequences; every
         sequence's ``lo·B`` is at most its ``s(f)`` (blocks leave the window only once
         wholly before it: :meth:`split_slow` asserts it), so that is Σ s(f) − Σ lo·B,
-        and Σ lo·B is the kept floor."""
-        if stored is None:
-            assert computed is not None
-            stored = int(computed.sum())
-        nseq = len(self._live)
-        free = self._free_bytes()
-        starts: dict[tuple[int, int, int], int] = {}
-        out = []
-        for i, (state, b, tb, ppb, sb, ws, w, c, _) in enumerate(self._split_info):
-            held = self.held_blocks[i]
-            if state:
-                out.append([held * sb, 0, 0, held * ppb, 0, free[i]])
-                continue
-            floor, tail = self._floor[i], self._tail[i]
-            in_held = stored - floor
-            oow = 0
-            if ws and nseq:
-                assert computed is not None
-                start = starts.get((ws, w, c))
-                if start is None:
-                    start = starts[(ws, w, c)] = int(np.maximum(computed - (w - 1), 0).sum()) if ws == 1 \
-                        else int((computed // c * c).sum())
-                oow = start - floor
-            out.append([(in_held - oow) * tb, (held * b - in_held - tail) * tb, tail * tb, held * ppb,
-                        oow * tb, free[i]])
-        out.append([0, 0, 0, self._fixed_padding(), 0, free[-1]])
-        return out
+        the window starts less the kept floor."""
+        return self._split_of(self._basis(computed, int(computed.sum()), check=False)[0])
+
+    def _split_of(self, sums: list[int] | np.ndarray) -> np.ndarray:
+        """The split ``[..., rows + 1, categories]`` of sums (``[..., sums]``)."""
+        sums = np.asarray(sums, dtype=np.int64)
+        return (sums @ self.split_basis()).reshape(sums.shape[:-1] + (len(self.rows) + 1, len(CATEGORIES)))
 
     # ------------------------------------------------- the split as a few sums
 
@@ -1082,9 +1030,11 @@ class HybridManager:
         one window) the shape's blocks held, kept floor and tails and the group's window
         starts, per state row its states, then the free bytes of
         every row and the pool: a recorder integrates these over time, not the split."""
+        if self._basis_matrix is not None:
+            return self._basis_matrix
         R, C = len(self.rows) + 1, len(CATEGORIES)
         S = len(self._split_groups)
-        out = np.zeros((2 + 4 * S + len(self._state_rows) + R, R, C), dtype=np.float64)
+        out = np.zeros((2 + 4 * S + len(self._state_rows) + R, R, C), dtype=np.int64)
         out[1, R - 1, PADDING] = 1
         for g, (si, members, *_) in enumerate(self._split_groups):
             b = self._attn_shapes[si][2]
@@ -1108,19 +1058,23 @@ class HybridManager:
             out[2 + 4 * S + k, i, PADDING] = ppb
         for i in range(R):
             out[2 + 4 * S + len(self._state_rows) + i, i, FREE] = 1
-        return out.reshape(len(out), R * C)
+        self._basis_matrix = out.reshape(len(out), R * C)
+        return self._basis_matrix
 
-    def _basis(self, computed: np.ndarray | None, stored: int) -> tuple[list[int], int, int, int]:
+    def _basis(self, computed: np.ndarray | None, stored: int,
+               check: bool = True) -> tuple[list[int], int, int, int]:
         """The sums :meth:`split_basis` maps to the split, now, and the split's token
         states, free and everything else held, all bytes (``stored``: Σ ``computed``;
-        ``computed`` is read only by windowed rows). Raises if a part of the split would be
-        negative or the parts would not add up to the pool."""
+        ``computed`` is read only by windowed rows). With ``check``, raises if a part of the
+        split would be negative or the parts would not add up to the pool (a subclass that
+        adjusts :meth:`split`, as for shared blocks, checks after adjusting)."""
         free = self._free_bytes()
         fixed = self._fixed_padding()
         nseq = len(self._live)
         sums = [stored, fixed]
         token = held_bytes = 0
         elsewhere = fixed
+        negative = None
         for rep, ws, w, c, b, tb, ppb, bb in self._basis_info:
             held, floor, tail = self.held_blocks[rep], self._floor[rep], self._tail[rep]
             start = 0
@@ -1131,8 +1085,7 @@ class HybridManager:
             read = stored - start if ws else stored - floor
             oow = start - floor if ws else 0
             if read < 0 or oow < 0 or held * b - (stored - floor) - tail < 0 or tail < 0:
-                raise AssertionError(f"broken byte split: a part of row {self.rows[rep].label!r} is negative\n"
-                                     f"{np.array(self._split_rows(None, computed, stored))}")
+                negative = self.rows[rep].label
             token += read * tb
             elsewhere += (tail + oow) * tb + held * ppb
             held_bytes += held * bb
@@ -1145,9 +1098,13 @@ class HybridManager:
             held_bytes += held * self.rows[i].block_bytes
         sums += free
         total = sum(free)
+        if not check:
+            return sums, token, total, elsewhere
+        if negative is not None:
+            raise AssertionError(f"broken byte split: a part of row {negative!r} is negative\n{self._split_of(sums)}")
         if held_bytes + total + fixed != self.capacity or min(free) < 0:
             raise AssertionError(f"broken byte split: sums to {held_bytes + total + fixed:,} of {self.capacity:,}\n"
-                                 f"{np.array(self._split_rows(None, computed, stored))}")
+                                 f"{self._split_of(sums)}")
         return sums, token, total, elsewhere
 
     def split_slow(self, seqs: np.ndarray, computed: np.ndarray) -> np.ndarray:
@@ -1201,7 +1158,11 @@ class HybridManager:
         raise NotImplementedError
 
     def _place_many(self, seqs: np.ndarray, frees: np.ndarray, takes: np.ndarray) -> None:
-        """:meth:`_place` for each sequence in turn (``[rows, seqs]``), known to fit."""
+        """:meth:`_place` for each sequence in turn (``[rows, seqs]``), known to fit (a
+        counts-only pool adds them up: :meth:`_place_moves`)."""
+        if self._counts_only():
+            self._place_moves(seqs.tolist(), frees.tolist(), takes.tolist())
+            return
         place = self._place
         for seq, f, t in zip(seqs.tolist(), frees.T.tolist(), takes.T.tolist(), strict=True):
             if (any(f) or any(t)) and not place(seq, f, t):

@@ -77,9 +77,6 @@ class JengaManager(HybridManager):
 
     # ------------------------------------------------ counts (whole large pages)
 
-    def _counts_only(self) -> bool:
-        return not self.tracks_ids
-
     def _count_moves(self, frees: int, takes: int) -> None:
         self._free_count += frees - takes
         if self._free_count < 0:
@@ -106,12 +103,6 @@ class JengaManager(HybridManager):
             super()._place_moves(seqs, frees, takes)
             return
         self._count_moves(sum(map(sum, frees)), sum(map(sum, takes)))
-
-    def _place_many(self, seqs: np.ndarray, frees: np.ndarray, takes: np.ndarray) -> None:
-        if self.tracks_ids:
-            super()._place_many(seqs, frees, takes)
-            return
-        self._count_moves(int(frees.sum()), int(takes.sum()))
 
     # ------------------------------------------------------------- placement
 
@@ -191,44 +182,19 @@ class JengaManager(HybridManager):
         short = takes - self._available(row)
         return -(-short // self.per_large[row]) if short > 0 else 0
 
-    def _give_back(self, seq: int, row: int, small: int) -> None:
-        self._num_used -= 1
-        per = self.per_large[row]
-        if per == 1:
-            del self._slots[small], self._owners[small]
-            self._kind_of[small] = -1
-            self._free_large.append(small)
-            return
-        page, slot = divmod(small, per)
-        slots = self._slots[page]
-        was_full = not slots
-        slots.append(slot)
-        self._free_slots[row] += 1
-        self._partial[row][page] = None
-        owners = self._owners[page]
-        owners[seq] -= 1
-        if not owners[seq]:
-            del owners[seq]
-            self._close(seq, row, page)
-        if was_full:  # the page has room again for those still in it (a page with room is open to all)
-            for owner in owners:
-                self._open_of.setdefault((owner, row), {})[page] = None
-        if len(self._slots[page]) == per:  # the whole large page is free again
-            del self._partial[row][page], self._slots[page], self._owners[page]
-            self._kind_of[page] = -1
-            self._free_slots[row] -= per
-            self._free_large.append(page)
-
     def _give_back_many(self, seq: int, row: int, smalls: list[int]) -> None:
-        """:meth:`_give_back` of each small page in turn, a run of pages in one large page
-        at a time (the same lists and orders as page by page: only the first give of a
-        run can find the page full, only its last can empty it)."""
-        per = self.per_large[row]
-        if per == 1:
-            for small in smalls:
-                self._give_back(seq, row, small)
-            return
+        """``seq``'s small pages ``smalls`` of ``row`` back, in turn, a run of pages in one
+        large page at a time (the same lists and orders as page by page: only the first
+        give of a run can find the page full, only its last can empty it). A page with
+        room again is open to every request still in it; an empty one is a free large page."""
         self._num_used -= len(smalls)
+        if self.per_large[row] == 1:   # each small page is a whole large page
+            for small in smalls:
+                del self._slots[small], self._owners[small]
+                self._kind_of[small] = -1
+                self._free_large.append(small)
+            return
+        per = self.per_large[row]
         i, n = 0, len(smalls)
         while i < n:
             page = smalls[i] // per

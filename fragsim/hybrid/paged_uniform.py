@@ -52,9 +52,6 @@ class PagedUniformManager(HybridManager):
         self._free_count = self.num_blocks
         self._free_slots = self.num_state_slots
 
-    def _counts_only(self) -> bool:
-        return not self.tracks_ids
-
     def _count_steps(self, frees: np.ndarray, takes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Counts: a step takes its attention rows' blocks once (one uniform block holds
         every attention layer), and decode steps take no state slot."""
@@ -111,19 +108,13 @@ class PagedUniformManager(HybridManager):
         """:meth:`_stretch_fits` of one step, in plain ints (a decode step takes no state)."""
         return not self._attention or sum(takes[self._attention[0]]) <= self.num_free_blocks()
 
-    def _place_many(self, seqs: np.ndarray, frees: np.ndarray, takes: np.ndarray) -> None:
-        if self.tracks_ids:
-            super()._place_many(seqs, frees, takes)
-            return
-        self._place_moves(seqs.tolist(), frees.tolist(), takes.tolist())
-
     def _place_moves(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
         """:meth:`_place` of each moving sequence in turn, known to fit."""
         att = self._attention
         if not att:
             super()._place_moves(seqs, frees, takes)
             return
-        per_seq = takes[att[0]] if len(att) == 1 else [max(c) for c in zip(*(takes[i] for i in att), strict=True)]
+        per_seq = takes[att[0]]   # one block size, nothing freed: every attention row takes alike
         if not self.tracks_ids:
             states = sum(max(c) for c in zip(*(takes[i] for i in self._states), strict=True)) if self._states else 0
             self._free_count -= sum(per_seq)

@@ -39,7 +39,7 @@ class SplitRecorder:
         self.extra_by_kind: dict[str, dict[str, float]] = {}
         # States given as sums (record_sums) are integrated as sums, and mapped to the
         # split through ``basis`` (``[sums, rows · categories]``) when it is read.
-        self._basis = basis
+        self._basis = None if basis is None else np.asarray(basis, dtype=np.float64)
         self._sums: list[float] = [0.0] * (0 if basis is None else len(basis))
         self._sum_buckets: dict[int, list[float]] = {}
 

@@ -65,9 +65,6 @@ class StaticPartitionManager(HybridManager):
     def free_blocks(self, row: int) -> int:
         return len(self._free[row]) - self._head[row] if self.tracks_ids else self._free_per_row[row]
 
-    def _counts_only(self) -> bool:
-        return not self.tracks_ids
-
     def _count_steps(self, frees: np.ndarray, takes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         k, R = len(takes), len(self.rows)
         free = np.zeros((k, R), dtype=np.int64)
@@ -86,12 +83,6 @@ class StaticPartitionManager(HybridManager):
         largest = np.minimum(free_rows.sum(axis=1), np.array([int(f * self.capacity) for f in frac.tolist()],
                                                              dtype=np.int64))
         return free_rows, largest, sum(self.num_blocks) - free.sum(axis=1)
-
-    def _place_many(self, seqs: np.ndarray, frees: np.ndarray, takes: np.ndarray) -> None:
-        if self.tracks_ids:
-            super()._place_many(seqs, frees, takes)
-            return
-        self._place_moves(seqs.tolist(), frees.tolist(), takes.tolist())
 
     def num_used_blocks(self) -> int:
         return sum(n - self.free_blocks(i) for i, n in enumerate(self.num_blocks))

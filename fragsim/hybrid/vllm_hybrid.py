@@ -97,19 +97,7 @@ class VllmHybridManager(HybridManager):
             self._head = 0
         return True
 
-    def _place_many(self, seqs: np.ndarray, frees: np.ndarray, takes: np.ndarray) -> None:
-        if self.tracks_ids:
-            super()._place_many(seqs, frees, takes)
-            return
-        # Counts only: frees and takes of one known-to-fit batch add up in any order.
-        self._free_count += int(frees.sum()) - int(takes.sum())
-        if self._free_count < 0:
-            raise AssertionError("advance_many ran out of blocks it was told were free")
-
     _needs_per_seq = False
-
-    def _counts_only(self) -> bool:
-        return not self.tracks_ids
 
     def _count_steps(self, frees: np.ndarray, takes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self._count_one_pool(frees, takes, self.bytes_per_block, self.num_blocks - 1)
