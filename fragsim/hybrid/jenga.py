@@ -68,8 +68,8 @@ class JengaManager(HybridManager):
         self._owners: dict[int, dict[int, int]] = {}     # large page -> {seq: small pages it holds}
         self._tables: dict[int, list[list[int]]] = {}    # small page id = large * per_large + slot
         self._free_slots = [0] * len(padded)             # per row: free small pages in its large pages
-        # (seq, row) -> its large pages of that row with a free small page
-        self._open_of: dict[tuple[int, int], dict[int, None]] = {}
+        # per row: seq -> its large pages of that row with a free small page
+        self._open_of: list[dict[int, dict[int, None]]] = [{} for _ in padded]
         self._num_used = 0                               # small pages held, kept as they move
         #: False: small pages are whole large pages and only the free ones are counted
         self.tracks_ids = track_ids or any(p > 1 for p in self.per_large)
@@ -133,21 +133,21 @@ class JengaManager(HybridManager):
                 self._owners[whole] = {seq: 1}
             return pages
         out: list[int] = []
-        open_of, key = self._open_of, (seq, row)
+        open_of, partial, all_slots, all_owners = self._open_of[row], self._partial[row], self._slots, self._owners
         while count:
-            mine = open_of.get(key)
+            mine = open_of.get(seq)
             if mine:
                 page = next(iter(mine))
             elif len(self._free_large) > reserved:
                 page = self._free_large.pop()
                 self._kind_of[page] = row
-                self._slots[page] = list(range(per))
-                self._partial[row][page] = None
-                self._owners[page] = {}
+                all_slots[page] = list(range(per))
+                partial[page] = None
+                all_owners[page] = {}
                 self._free_slots[row] += per
             else:
-                page = next(iter(self._partial[row]))
-            slots = self._slots[page]
+                page = next(iter(partial))
+            slots = all_slots[page]
             n = count if count < len(slots) else len(slots)
             base = page * per
             if n == 1:
@@ -157,25 +157,31 @@ class JengaManager(HybridManager):
                 del slots[:n]
             count -= n
             self._free_slots[row] -= n
-            owners = self._owners[page]
+            owners = all_owners[page]
             owners[seq] = owners.get(seq, 0) + n
             if slots:
                 if mine is None:
-                    open_of[key] = {page: None}
+                    open_of[seq] = {page: None}
                 else:
                     mine[page] = None
-            else:  # full: no owner finds room in it any more
-                del self._partial[row][page]
+            else:  # full: no owner finds room in it any more (``_close`` of each, inline: hot)
+                del partial[page]
                 for owner in owners:
-                    self._close(owner, row, page)
+                    theirs = open_of.get(owner)
+                    if theirs is not None and page in theirs:
+                        del theirs[page]
+                        if not theirs:
+                            del open_of[owner]
         return out
 
-    def _close(self, seq: int, row: int, page: int) -> None:
-        mine = self._open_of.get((seq, row))
+    @staticmethod
+    def _close(open_of: dict[int, dict[int, None]], seq: int, page: int) -> None:
+        """``page`` is no longer open to ``seq`` (``open_of``: its row's open pages)."""
+        mine = open_of.get(seq)
         if mine is not None and page in mine:
             del mine[page]
             if not mine:
-                del self._open_of[(seq, row)]
+                del open_of[seq]
 
     def _opens(self, row: int, takes: int) -> int:
         """Large pages ``takes`` small pages of ``row`` must open beyond its free slots."""
@@ -195,6 +201,7 @@ class JengaManager(HybridManager):
                 self._free_large.append(small)
             return
         per = self.per_large[row]
+        open_of, partial, all_slots, all_owners = self._open_of[row], self._partial[row], self._slots, self._owners
         i, n = 0, len(smalls)
         while i < n:
             page = smalls[i] // per
@@ -202,26 +209,34 @@ class JengaManager(HybridManager):
             while j < n and smalls[j] // per == page:
                 j += 1
             base = page * per
-            slots = self._slots[page]
+            slots = all_slots[page]
             was_full = not slots
-            slots.extend(small - base for small in smalls[i:j])
-            self._free_slots[row] += j - i
-            self._partial[row][page] = None
-            owners = self._owners[page]
+            if j == i + 1:
+                slots.append(smalls[i] - base)
+            else:
+                slots.extend([small - base for small in smalls[i:j]])
+            partial[page] = None
+            owners = all_owners[page]
             left = owners[seq] - (j - i)
             if left:
                 owners[seq] = left
             else:
                 del owners[seq]
-                self._close(seq, row, page)
+                self._close(open_of, seq, page)
             if was_full:  # room again for those still in it
                 for owner in owners:
-                    self._open_of.setdefault((owner, row), {})[page] = None
+                    mine = open_of.get(owner)
+                    if mine is None:
+                        open_of[owner] = {page: None}
+                    else:
+                        mine[page] = None
             if len(slots) == per:  # the whole large page is free again
-                del self._partial[row][page], self._slots[page], self._owners[page]
+                del partial[page], all_slots[page], all_owners[page]
                 self._kind_of[page] = -1
-                self._free_slots[row] -= per
+                self._free_slots[row] += (j - i) - per
                 self._free_large.append(page)
+            else:
+                self._free_slots[row] += j - i
             i = j
 
     def _place(self, seq: int, frees: list[int], takes: list[int]) -> bool:
@@ -240,9 +255,11 @@ class JengaManager(HybridManager):
             if f:
                 self._give_back_many(seq, i, tables[i][:f])
                 del tables[i][:f]
+        last = len(takes) - 1
         for i, t in enumerate(takes):
             if t:
-                reserved = sum(self._opens(j, takes[j]) for j in range(i + 1, len(takes)))
+                # the large pages later rows must open (their takes beyond their free slots)
+                reserved = 0 if i == last else sum(self._opens(j, takes[j]) for j in range(i + 1, len(takes)))
                 tables[i].extend(self._take_small(seq, i, reserved, t))
         return True
 
@@ -346,10 +363,11 @@ class JengaManager(HybridManager):
             assert held, f"large page {p} is carved but empty"
         for row in range(len(self.rows)):
             assert self._free_slots[row] == sum(len(self._slots[p]) for p in self._partial[row])
-        for (seq, row), pages in self._open_of.items():
-            assert all(seq in self._owners[p] and self._kind_of[p] == row and self._slots[p]
-                       for p in pages), (seq, row)
+        for row, open_of in enumerate(self._open_of):
+            for seq, pages in open_of.items():
+                assert pages and all(seq in self._owners[p] and self._kind_of[p] == row and self._slots[p]
+                                     for p in pages), (seq, row)
         for p in carved:
             for seq in self._owners[p]:
                 if self._slots[p]:
-                    assert p in self._open_of.get((seq, self._kind_of[p]), {}), (p, seq)
+                    assert p in self._open_of[self._kind_of[p]].get(seq, {}), (p, seq)
