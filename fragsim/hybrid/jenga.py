@@ -112,11 +112,11 @@ class JengaManager(HybridManager):
     def _can_take_with(self, takes: list[int], own_frees: list[int]) -> bool:
         """Whether the small pages fit, counting the sequence's own frees as free slots of
         their kind only (a free that empties a whole large page is not counted: safe)."""
-        opens, avail, per = 0, self._free_slots, self.per_large
-        for i, (t, f) in enumerate(zip(takes, own_frees, strict=True)):
-            short = t - f - avail[i]
+        opens = 0
+        for t, f, avail, per in zip(takes, own_frees, self._free_slots, self.per_large, strict=True):
+            short = t - f - avail
             if short > 0:
-                opens += -(-short // per[i])
+                opens += -(-short // per)
         return opens <= len(self._free_large)
 
     def _take_small(self, seq: int, row: int, reserved: int, count: int = 1) -> list[int]:
