@@ -5,6 +5,7 @@
     python benchmarks/sim_speed.py --json          # one JSON object per measurement
     python benchmarks/sim_speed.py --peer --runs 7 # the peer configuration only, min/median of 7
     python benchmarks/sim_speed.py --hybrid --runs 3  # hybrid models beside their dense runs, in rounds
+    python benchmarks/sim_speed.py --hybrid --models gemma-3-27b --managers jenga --runs 5
 
 Each measurement runs in a fresh process so that its peak RSS is its own. The
 real-time factor is simulated seconds per wall second of the engine run (trace
@@ -112,11 +113,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hybrid", action="store_true",
                         help="only hybrid models in the peer configuration: each model's dense "
                              "run (vllm, every layer full) beside its hybrid managers")
+    parser.add_argument("--models", type=_names, default=HYBRID_MODELS, metavar="M[,M...]",
+                        help=f"with --hybrid: these models (default {','.join(HYBRID_MODELS)})")
+    parser.add_argument("--managers", type=_names, default=HYBRID_MANAGERS, metavar="A[,A...]",
+                        help=f"with --hybrid: these managers (default {','.join(HYBRID_MANAGERS)})")
     parser.add_argument("--runs", type=int, default=1, metavar="N",
                         help="take every measurement N times: median and min wall (default 1)")
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
+    unknown = sorted(set(args.managers) - set(HYBRID_MANAGERS))
+    if unknown:
+        parser.error(f"--managers: unknown {', '.join(unknown)} (choose from {', '.join(HYBRID_MANAGERS)})")
+    if args.hybrid:
+        from fragsim.catalog import get_model
+        from fragsim.errors import FragsimError
+
+        for model in args.models:
+            try:
+                get_model(model)
+            except FragsimError as exc:
+                parser.error(f"--models: {exc}")
 
     plan: list[tuple[str, dict[str, Any], int, int | None]] = []
     if args.hybrid:
@@ -129,6 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.million:
         plan.append(("vllm", {}, 1, 1_000_000))
     return _report(plan, args)
+
+
+def _names(text: str) -> list[str]:
+    """A comma-separated list, spaces and empty items dropped."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _print_row(row: dict[str, Any], args: argparse.Namespace) -> None:
@@ -150,8 +172,8 @@ def _report_hybrid(args: argparse.Namespace) -> int:
     machine's drift between rounds moves less than a ratio of medians."""
     import statistics
 
-    for model in HYBRID_MODELS:
-        names = ("vllm", *HYBRID_MANAGERS)
+    for model in args.models:
+        names = ("vllm", *args.managers)
         runs: dict[str, list[dict[str, Any]]] = {a: [] for a in names}
         for _ in range(args.runs):
             for a in names:
@@ -167,7 +189,7 @@ def _report_hybrid(args: argparse.Namespace) -> int:
                 row["wall_vs_dense_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
             _print_row(row, args)
         if not args.json:
-            for a in HYBRID_MANAGERS:
+            for a in args.managers:
                 ratios = [r["wall_s"] / d["wall_s"] for r, d in zip(runs[a], runs["vllm"], strict=True)]
                 spread = f" (pairs {min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
                 print(f"{model} {a}: wall {statistics.median(ratios):.2f}x of the same trace on the model "
