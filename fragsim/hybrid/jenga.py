@@ -164,14 +164,10 @@ class JengaManager(HybridManager):
                     open_of[seq] = {page: None}
                 else:
                     mine[page] = None
-            else:  # full: no owner finds room in it any more (``_close`` of each, inline: hot)
+            else:  # full: no owner finds room in it any more
                 del partial[page]
                 for owner in owners:
-                    theirs = open_of.get(owner)
-                    if theirs is not None and page in theirs:
-                        del theirs[page]
-                        if not theirs:
-                            del open_of[owner]
+                    self._close(open_of, owner, page)
         return out
 
     @staticmethod
