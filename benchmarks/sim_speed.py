@@ -96,11 +96,16 @@ def measure(allocator: str, options: dict[str, Any], times: int = 1,
 def measure_runs(item: tuple[str, dict[str, Any], int, int | None], runs: int) -> dict[str, Any]:
     """``measure(*item)`` ``runs`` times: the median run's row (the faster middle one of an
     even number), with the fastest wall beside it."""
-    rows = sorted((measure(*item) for _ in range(runs)), key=lambda r: r["wall_s"])
-    row = dict(rows[(len(rows) - 1) // 2])
-    if runs > 1:
-        row["wall_min_s"] = rows[0]["wall_s"]
-        row["runs"] = runs
+    return _median_row([measure(*item) for _ in range(runs)])
+
+
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median run's row of ``rows`` (the faster middle one of an even number), with
+    the fastest wall and the number of runs beside it when there are several."""
+    ordered = sorted(rows, key=lambda r: r["wall_s"])
+    row = dict(ordered[(len(ordered) - 1) // 2])
+    if len(rows) > 1:
+        row["wall_min_s"], row["runs"] = ordered[0]["wall_s"], len(rows)
     return row
 
 
@@ -122,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.runs < 1:
         parser.error(f"--runs must be >= 1, got {args.runs}")
-    unknown = sorted(set(args.managers) - set(HYBRID_MANAGERS))
-    if unknown:
-        parser.error(f"--managers: unknown {', '.join(unknown)} (choose from {', '.join(HYBRID_MANAGERS)})")
     if args.hybrid:
+        unknown = sorted(set(args.managers) - set(HYBRID_MANAGERS))
+        if unknown:
+            parser.error(f"--managers: unknown {', '.join(unknown)} (choose from {', '.join(HYBRID_MANAGERS)})")
         from fragsim.catalog import get_model
         from fragsim.errors import FragsimError
 
@@ -179,24 +184,21 @@ def _report_hybrid(args: argparse.Namespace) -> int:
         for _ in range(args.runs):
             for a in names:
                 runs[a].append(measure(a, {**PEER, "model": model}))
+        fastest = {a: min(r["wall_s"] for r in runs[a]) for a in names}
+        ratios = {a: [r["wall_s"] / d["wall_s"] for r, d in zip(runs[a], runs["vllm"], strict=True)]
+                  for a in args.managers}
         for a in names:
-            ordered = sorted(runs[a], key=lambda r: r["wall_s"])
-            row = dict(ordered[(len(ordered) - 1) // 2])
-            if args.runs > 1:
-                row["wall_min_s"], row["runs"] = ordered[0]["wall_s"], args.runs
+            row = _median_row(runs[a])
             if a != "vllm":
-                ratios = [r["wall_s"] / d["wall_s"] for r, d in zip(runs[a], runs["vllm"], strict=True)]
-                row["wall_vs_dense"] = round(statistics.median(ratios), 3)
-                row["wall_vs_dense_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
-                row["wall_vs_dense_of_minima"] = round(ordered[0]["wall_s"] / min(r["wall_s"] for r in runs["vllm"]), 3)
+                row["wall_vs_dense"] = round(statistics.median(ratios[a]), 3)
+                row["wall_vs_dense_range"] = [round(min(ratios[a]), 3), round(max(ratios[a]), 3)]
+                row["wall_vs_dense_of_minima"] = round(fastest[a] / fastest["vllm"], 3)
             _print_row(row, args)
         if not args.json:
             for a in args.managers:
-                ratios = [r["wall_s"] / d["wall_s"] for r, d in zip(runs[a], runs["vllm"], strict=True)]
-                fastest = min(r["wall_s"] for r in runs[a]) / min(r["wall_s"] for r in runs["vllm"])
-                spread = f" (pairs {min(ratios):.2f}-{max(ratios):.2f}; fastest runs {fastest:.2f}x)" \
-                    if len(ratios) > 1 else ""
-                print(f"{model} {a}: wall {statistics.median(ratios):.2f}x of the same trace on the model "
+                spread = (f" (pairs {min(ratios[a]):.2f}-{max(ratios[a]):.2f}; "
+                          f"fastest runs {fastest[a] / fastest['vllm']:.2f}x)") if args.runs > 1 else ""
+                print(f"{model} {a}: wall {statistics.median(ratios[a]):.2f}x of the same trace on the model "
                       f"as dense (vllm){spread}", flush=True)
     return 0
 
