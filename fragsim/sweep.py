@@ -57,7 +57,7 @@ def execute(tasks: Sequence[T], fn: Callable[[T], R], on_done: Callable[[T, R], 
 
 def _local(tasks: Sequence[T], fn: Callable[[T], R], on_done: Callable[[T, R], None],
            workers: int) -> None:
-    pool = ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=_context(fn))
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=process_context([fn.__module__]))
     try:
         pending: dict[Future[R], T] = {pool.submit(fn, task): task for task in tasks}
         while pending:
@@ -69,8 +69,8 @@ def _local(tasks: Sequence[T], fn: Callable[[T], R], on_done: Callable[[T, R], N
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _context(fn: Callable[..., Any]) -> Any:
-    """A forkserver that has already imported ``fn``'s module, where there is one.
+def process_context(preload: list[str]) -> Any:
+    """A forkserver that has already imported the modules ``preload``, where there is one.
 
     Plain fork copies whatever threads the driver runs (a progress bar's refresh
     thread, say), which is unsafe and deprecated; spawn re-imports pandas, simpy
@@ -80,7 +80,7 @@ def _context(fn: Callable[..., Any]) -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([fn.__module__])
+    context.set_forkserver_preload(preload)
     return context
 
 

@@ -72,3 +72,38 @@ def test_argparse_rejects_bad_values(capsys: pytest.CaptureFixture[str]) -> None
         main(["run", "--rate", "-1"])
     assert exc.value.code == 2
     assert "--rate: must be > 0" in capsys.readouterr().err
+
+
+def _json_rows(out: str) -> list[dict]:
+    rows = [json.loads(line) for line in out.strip().splitlines()]
+    for row in rows:   # the host's time, not the model's
+        row.pop("wall_time_s")
+        row.pop("real_time_factor", None)
+    return rows
+
+
+def test_workers_run_allocators_in_parallel_with_the_same_results(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["run", "--num-requests", "150", "--allocator", "vllm,buddy,vllm,orca-pow2", "--json", "--no-save"]
+    assert main(argv) == 0
+    serial = _json_rows(capsys.readouterr().out)
+    assert main([*argv, "--workers", "3"]) == 0
+    parallel = _json_rows(capsys.readouterr().out)
+    assert [r["allocator"] for r in parallel] == ["vllm", "buddy", "vllm", "orca-pow2"]
+    assert parallel == serial
+
+
+def test_workers_hybrid_managers_and_results_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--model", "gpt-oss-20b", "--gpu", "a100-80gb", "--max-seq-len", "4096",
+                 "--num-requests", "120", "--allocator", "paged-uniform,jenga", "--workers", "2",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "paged-uniform" in out and "jenga" in out and "out of window" in out
+    (folder,) = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert {"requests-paged-uniform.parquet", "requests-jenga.parquet"} <= {p.name for p in folder.iterdir()}
+
+
+def test_a_failing_run_in_a_worker_gives_the_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["run", "--num-requests", "10", "--no-save", "--kv-slots", "3", "--allocator", "vllm,buddy",
+                 "--workers", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("fragsim: error:") and "\n" not in err and "block" in err

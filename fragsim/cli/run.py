@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -253,7 +254,86 @@ def register(subparsers: Any) -> None:
                    help="also draw the split per allocator, the split over time and an address map")
     g.add_argument("--exact-steps", action="store_true",
                    help="simulate every step on its own (reference mode; slower, same results)")
+    g.add_argument("--workers", type=positive_int, default=1, metavar="N",
+                   help="run up to N allocators at once, each in its own process (default 1: one "
+                        "after another, in this process); the results are the same")
     p.set_defaults(func=main)
+
+
+# -------------------------------------------------------------- parallel runs
+
+_progress_queue: Any = None
+
+
+def _init_worker(queue: Any) -> None:
+    global _progress_queue
+    _progress_queue = queue
+
+
+def _simulate_in_worker(task: tuple[Any, int, str, Any]) -> Any:
+    """Run ``i``, one allocator's, in a pool worker; its progress goes back through the queue."""
+    from fragsim.simulate import simulate
+
+    trace, i, name, spec = task
+    queue = _progress_queue
+
+    def report(done: int) -> None:
+        queue.put((i, done))
+
+    return simulate(trace, name, spec, progress=None if queue is None else report)
+
+
+def simulate_all(trace: Any, allocators: list[str], spec: Any, workers: int,
+                 progress: Any, on_result: Any) -> list[Any]:
+    """Every allocator's run, in the order given; ``progress(i, done)`` as run ``i``'s
+    requests finish and ``on_result(i, result)`` as soon as run ``i`` and every run before it are
+    done (so that what is printed keeps the allocators' order).
+
+    With one worker the runs go one after another in this process; with more, each
+    runs in a process of a pool (:func:`fragsim.sweep.process_context`), and the
+    first failure cancels the runs not yet started."""
+    results: list[Any] = [None] * len(allocators)
+    if workers <= 1 or len(allocators) <= 1:
+        from fragsim.simulate import simulate
+
+        for i, name in enumerate(allocators):
+            progress(i, 0)
+            results[i] = simulate(trace, name, spec, progress=functools.partial(progress, i))
+            on_result(i, results[i])
+        return results
+    import queue as queue_module
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    from fragsim.sweep import process_context
+
+    context = process_context(["fragsim.simulate"])
+    queue = context.Queue()
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(allocators)), mp_context=context,
+                               initializer=_init_worker, initargs=(queue,))
+    shown = 0
+    try:
+        pending = {pool.submit(_simulate_in_worker, (trace, i, name, spec)): i for i, name in enumerate(allocators)}
+        for i in range(len(allocators)):
+            progress(i, 0)
+        while pending:
+            done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            while True:
+                try:
+                    i, count = queue.get_nowait()
+                except queue_module.Empty:
+                    break
+                if results[i] is None:   # a report may come after its run's result
+                    progress(i, count)
+            for future in done:
+                i = pending.pop(future)
+                results[i] = future.result()
+                progress(i, len(trace))
+            while shown < len(results) and results[shown] is not None:
+                on_result(shown, results[shown])
+                shown += 1
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    return results
 
 
 def main(args: argparse.Namespace) -> int:
@@ -261,7 +341,7 @@ def main(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from fragsim.report import comparison_table, dumps, write_results
-    from fragsim.simulate import load_workload, run_config, simulate
+    from fragsim.simulate import load_workload, run_config
 
     allocators = parse_allocators(args.allocator)
     spec = spec_from_args(args)
@@ -283,22 +363,23 @@ def main(args: argparse.Namespace) -> int:
     hybrid_note = full_attention_note(model, gpu, spec) if dense_on_hybrid else None
     if hybrid_note:
         print(f"fragsim: note: {hybrid_note}", file=sys.stderr)
-    results = []
     with Progress(TextColumn("{task.description:>12}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=True,
                   disable=not err.is_terminal) as progress:
-        for name in allocators:
-            task = progress.add_task(name, total=len(trace))
+        bars: dict[int, Any] = {}
 
-            def advance(done: int, t: Any = task) -> None:
-                progress.update(t, completed=done)
+        def advance(i: int, done: int) -> None:
+            if i not in bars:
+                bars[i] = progress.add_task(allocators[i], total=len(trace))
+            progress.update(bars[i], completed=done)
 
-            result = simulate(trace, name, spec, progress=advance)
-            progress.update(task, completed=len(trace))
-            results.append(result)
+        def finished(i: int, result: Any) -> None:
+            advance(i, len(trace))
             if args.json:
                 sys.stdout.write(dumps(result.summary) + "\n")
                 sys.stdout.flush()
+
+        results = simulate_all(trace, allocators, spec, args.workers, advance, finished)
     folder = None
     if not args.no_save:
         folder = write_results(Path(args.out), run_config(spec, allocators), results, plot=args.plot)
