@@ -107,3 +107,22 @@ def test_a_failing_run_in_a_worker_gives_the_one_line_error(capsys: pytest.Captu
                  "--workers", "2"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("fragsim: error:") and "\n" not in err and "block" in err
+
+
+def test_overload_note_names_the_hybrid_managers_reason() -> None:
+    from types import SimpleNamespace
+
+    from fragsim.cli.run import overload_notes
+
+    def summary(name: str, waiting: float) -> dict:
+        return {"allocator": name, "mean_waiting": waiting, "mean_running": 50.0, "p99_ttft_s": 9.0 + waiting,
+                "throughput_requests_per_s": 1.0 / (1.0 + waiting)}
+
+    spec = SimpleNamespace(max_seq_len=8192)
+    (hybrid,) = overload_notes([summary("paged-uniform", 400.0), summary("jenga", 10.0)], spec)
+    assert hybrid.startswith("paged-uniform could not keep up") and "while jenga served" in hybrid
+    assert "every layer's KV for every token" in hybrid and "reservation" not in hybrid
+    (dense,) = overload_notes([summary("ft-static", 400.0), summary("vllm", 0.0)], spec)
+    assert "max-length reservation is --max-seq-len, 8,192 tokens" in dense
+    (gpu,) = overload_notes([summary("vllm-hybrid", 400.0), summary("jenga", 300.0)], spec)
+    assert gpu.startswith("the trace offers more load than this GPU serves: vllm-hybrid's queue")

@@ -213,6 +213,16 @@ def full_attention_note(model: Any, gpu: Any, spec: Any) -> str:
             f"(fragsim capacity --model {spec.model} --gpu {spec.gpu} shows its groups)")
 
 
+#: why a hybrid KV manager holds more per request than the others (the overload note)
+HYBRID_WHY = {
+    "paged-uniform": "paged-uniform keeps every layer's KV for every token, a window's old blocks too",
+    "static-partition": "static-partition sizes a pool per kind up front, and one kind's free pages "
+                        "cannot serve another",
+    "vllm-hybrid": "vllm-hybrid pads its groups to one page size",
+    "jenga": "jenga strands free small pages in large pages carved for one kind",
+}
+
+
 def _overloaded(s: dict[str, Any]) -> bool:
     return bool(s["mean_waiting"] > 4 * max(s["mean_running"], 1.0))
 
@@ -228,12 +238,16 @@ def overload_notes(summaries: list[dict[str, Any]], spec: Any) -> list[str]:
     if served:
         paged = [s for s in served if s["allocator"] == "vllm"]
         best = paged[0] if paged else max(served, key=lambda s: s["throughput_requests_per_s"])
+        if all(s["allocator"] in HYBRID_WHY for s in over):
+            why = ("how each lays out the layer kinds, not the GPU, limits the batch ("
+                   + "; ".join(HYBRID_WHY[s["allocator"]] for s in over) + ")")
+        else:
+            why = ("what each reserves, not the GPU, limits the batch (a max-length reservation is "
+                   f"--max-seq-len, {spec.max_seq_len:,} tokens, per request)")
         return [f"{names} could not keep up: {worst['allocator']}'s queue held "
                 f"{worst['mean_waiting']:,.0f} requests on average and its p99 time to first token "
                 f"was {worst['p99_ttft_s']:,.0f} s, while {best['allocator']} served the same trace "
-                f"with {best['mean_waiting']:,.1f} waiting (p99 TTFT {best['p99_ttft_s']:,.2f} s): what "
-                f"each reserves, not the GPU, limits the batch (a max-length reservation is "
-                f"--max-seq-len, {spec.max_seq_len:,} tokens, per request)"]
+                f"with {best['mean_waiting']:,.1f} waiting (p99 TTFT {best['p99_ttft_s']:,.2f} s): {why}"]
     return [f"the trace offers more load than this GPU serves: {worst['allocator']}'s queue held "
             f"{worst['mean_waiting']:,.0f} requests on average, so latencies grow over the run "
             "(--rate, --time-window, a larger --gpu or --tp eases it)"]
