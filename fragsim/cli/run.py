@@ -40,8 +40,8 @@ examples:
   fragsim run --allocator vllm --trace alpaca-paper --rate 20 --num-requests 2000 --beam-width 4
   fragsim run --trace sharegpt-paper --rate 2 --num-requests 1000
   fragsim run --trace path/to/trace.csv --model llama-2-7b --gpu a100-80gb --json
-  fragsim run --model gpt-oss-120b --gpu h100-80gb --max-seq-len 8192 --num-requests 3000 \
-      --allocator paged-uniform,vllm-hybrid,jenga,static-partition --kv-cache-memory-bytes 8589934592 \
+  fragsim run --model gpt-oss-120b --gpu h100-80gb --max-seq-len 8192 --num-requests 3000 \\
+      --allocator paged-uniform,vllm-hybrid,jenga,static-partition --kv-cache-memory-bytes 8589934592 \\
       --workers 4
 """
 
