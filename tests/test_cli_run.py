@@ -124,5 +124,9 @@ def test_overload_note_names_the_hybrid_managers_reason() -> None:
     assert "every layer's KV for every token" in hybrid and "reservation" not in hybrid
     (dense,) = overload_notes([summary("ft-static", 400.0), summary("vllm", 0.0)], spec)
     assert "max-length reservation is --max-seq-len, 8,192 tokens" in dense
+    from fragsim.cli.run import HYBRID_WHY
+    from fragsim.hybrid import MANAGERS
+
+    assert set(HYBRID_WHY) == set(MANAGERS)   # every manager has its reason
     (gpu,) = overload_notes([summary("vllm-hybrid", 400.0), summary("jenga", 300.0)], spec)
     assert gpu.startswith("the trace offers more load than this GPU serves: vllm-hybrid's queue")

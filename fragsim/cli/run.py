@@ -301,7 +301,7 @@ def _simulate_in_worker(task: tuple[Any, int, str, Any]) -> Any:
 def simulate_all(trace: Any, allocators: list[str], spec: Any, workers: int,
                  progress: Any, on_result: Any) -> list[Any]:
     """Every allocator's run, in the order given; ``progress(i, done)`` as run ``i``'s
-    requests finish and ``on_result(i, result)`` as soon as run ``i`` and every run before it are
+    requests finish (``done`` is the trace's length once it has ended) and ``on_result(i, result)`` as soon as run ``i`` and every run before it are
     done (so that what is printed keeps the allocators' order).
 
     With one worker the runs go one after another in this process; with more, each
@@ -314,6 +314,7 @@ def simulate_all(trace: Any, allocators: list[str], spec: Any, workers: int,
         for i, name in enumerate(allocators):
             progress(i, 0)
             results[i] = simulate(trace, name, spec, progress=functools.partial(progress, i))
+            progress(i, len(trace))
             on_result(i, results[i])
         return results
     import queue as queue_module
@@ -389,7 +390,6 @@ def main(args: argparse.Namespace) -> int:
             progress.update(bars[i], completed=done)
 
         def finished(i: int, result: Any) -> None:
-            advance(i, len(trace))
             if args.json:
                 sys.stdout.write(dumps(result.summary) + "\n")
                 sys.stdout.flush()

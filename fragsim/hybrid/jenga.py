@@ -77,11 +77,6 @@ class JengaManager(HybridManager):
 
     # ------------------------------------------------ counts (whole large pages)
 
-    def _count_moves(self, frees: int, takes: int) -> None:
-        self._free_count += frees - takes
-        if self._free_count < 0:
-            raise AssertionError("a page move failed inside a stretch that had room for it")
-
     def _count_steps(self, frees: np.ndarray, takes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self._count_one_pool(frees, takes, self.large_page_bytes, self.num_large)
 
@@ -102,7 +97,9 @@ class JengaManager(HybridManager):
         if self.tracks_ids:
             super()._place_moves(seqs, frees, takes)
             return
-        self._count_moves(sum(map(sum, frees)), sum(map(sum, takes)))
+        self._free_count += sum(map(sum, frees)) - sum(map(sum, takes))
+        if self._free_count < 0:
+            raise AssertionError("a page move failed inside a stretch that had room for it")
 
     # ------------------------------------------------------------- placement
 
