@@ -58,14 +58,11 @@ from typing import Any
 
 from fragsim.catalog import GPUConfig, ModelConfig
 from fragsim.errors import FragsimError
+from fragsim.kinds import Kind, State, cdiv, rule_of
 from fragsim.layers import STATE_KINDS, LayerSpec
 
 DEFAULT_BLOCK_SIZE = 16
 GiB = 1 << 30
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def default_max_num_batched_tokens(gpu: GPUConfig) -> int:
@@ -166,35 +163,21 @@ class VllmPlan:
         return [_held(g.page, seq_len, self.max_model_len, self.prefix_caching) for g in self.groups]
 
 
-def _held(page: LayerPage, n_stored: int, max_model_len: int, prefix_caching: bool) -> int:
-    b = page.block_size
+def page_rule(page: LayerPage, prefix_caching: bool, checkpoint: int = 0) -> Kind:
+    """The memory rule of a page's layers (:mod:`fragsim.kinds`): state layers run in
+    vLLM's align mode under prefix caching, with ``checkpoint`` prefill checkpoint blocks."""
     if page.base == "mamba":
-        # The running state sits in one block; under prefix caching a step that
-        # starts a new block copies the state into it and keeps the old one as the
-        # source until the next step.
-        return 2 if prefix_caching and n_stored % b == 0 else 1
-    need = cdiv(min(n_stored + 1, max_model_len), b)
-    if page.kind == "sliding":
-        assert page.window is not None
-        return need - max(0, n_stored - page.window + 1) // b
-    if page.kind == "chunked":
-        assert page.chunk is not None
-        return need - (n_stored // page.chunk * page.chunk) // b
-    return need
+        return State(align=prefix_caching, checkpoints=checkpoint)
+    return rule_of(page.kind, page.window, page.chunk)
+
+
+def _held(page: LayerPage, n_stored: int, max_model_len: int, prefix_caching: bool) -> int:
+    return int(page_rule(page, prefix_caching).held_blocks(n_stored, max_model_len, page.block_size))
 
 
 def _max_blocks(page: LayerPage, max_model_len: int, in_flight: int, checkpoint: int,
                 prefix_caching: bool) -> int:
-    b = page.block_size
-    if page.base == "mamba":
-        return 2 + checkpoint if prefix_caching else 1
-    if page.kind == "sliding":
-        assert page.window is not None
-        return cdiv(min(page.window - 1 + in_flight, max_model_len), b) + 1
-    if page.kind == "chunked":
-        assert page.chunk is not None
-        return cdiv(min(page.chunk + in_flight, max_model_len), b)
-    return cdiv(max_model_len, b)
+    return page_rule(page, prefix_caching, checkpoint).max_blocks(max_model_len, page.block_size, in_flight)
 
 
 def backend_block_size(model: ModelConfig, gpu: GPUConfig) -> int:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from fragsim.hybrid.base import HybridManager
+from fragsim.kinds import rule_of
 from fragsim.layers import STATE_KINDS, LayerSpec, StateShape
 
 __all__ = ["Layout", "RowLayout", "layout_of", "miniature"]
@@ -137,14 +138,8 @@ class RowLayout:
         return self.block_tokens * self.token_bytes // len(self.layer_base)
 
     def window_start(self, computed: torch.Tensor) -> torch.Tensor:
-        """First position the next token reads, per entry of ``computed``."""
-        if self.kind == "sliding":
-            assert self.window is not None
-            return (computed - self.window + 1).clamp_min(0)
-        if self.kind == "chunked":
-            assert self.chunk is not None
-            return torch.div(computed, self.chunk, rounding_mode="floor") * self.chunk
-        return torch.zeros_like(computed)
+        """First position the next token reads, per entry of ``computed`` (the kind's rule)."""
+        return rule_of(self.kind, self.window, self.chunk).skipped(computed)
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fragsim.kinds import rule_of
 from gpu_backend.kernels import (
     _attend_tile,
     _check_index,
@@ -357,12 +358,8 @@ def _check_block_table_args(block_tables: torch.Tensor, block_size: int, batch: 
 
 def _window_starts(seq_lens: torch.Tensor, kind: int, span: int) -> torch.Tensor:
     """Per sequence, the first attended position (int64), as the kernel computes it."""
-    lens = seq_lens.long()
-    if kind == SLIDING:
-        return (lens - span).clamp(min=0)
-    if kind == CHUNKED:
-        return torch.div(lens - 1, span, rounding_mode="floor") * span
-    return torch.zeros_like(lens)
+    rule = rule_of(_KIND_NAMES[kind], window=span, chunk=span)
+    return rule.skipped(seq_lens.long() - 1)
 
 
 def _check_window_block_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -19,6 +19,8 @@ import math
 
 import torch
 
+from fragsim.kinds import rule_of
+
 
 def gather_contiguous(cache: torch.Tensor, offset: int, seq_len: int) -> torch.Tensor:
     """K or V of one sequence stored in slots ``offset .. offset + seq_len - 1``."""
@@ -88,12 +90,10 @@ def paged_decode_attention_ref(
 
 def window_start(seq_len: int, window: int | None = None, chunk: int | None = None) -> int:
     """First position attended by the query at ``seq_len - 1``: sliding (the last
-    ``window`` positions), chunked (its own chunk of ``chunk``) or full (neither given)."""
-    if window is not None:
-        return max(0, seq_len - window)
-    if chunk is not None:
-        return (seq_len - 1) // chunk * chunk
-    return 0
+    ``window`` positions), chunked (its own chunk of ``chunk``) or full (neither given):
+    what the kind's rule skips once ``seq_len - 1`` positions are computed."""
+    kind = "sliding" if window is not None else "chunked" if chunk is not None else "full"
+    return int(rule_of(kind, window, chunk).skipped(seq_len - 1))
 
 
 def _windowed_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
