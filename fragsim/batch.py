@@ -12,11 +12,15 @@ preemption victim).
 
 A row is one *sequence*: ``seq`` is its id with the allocator. A request decodes
 one sequence, whose id is the request's own, unless it samples several or
-searches a beam (:mod:`fragsim.sharing`): then several rows share one ``req``.
+searches a beam (:mod:`fragsim.beams`): then several rows share one ``req``.
 
-The six columns are the rows of one ``[6, capacity]`` array (``req``, ``seq``, ...
+A row's ``room`` is the longest length it can reach before it must ask the KV
+manager again (:mod:`fragsim.kv.protocol`): the engine asks for growth only when
+``filled + 1`` passes it.
+
+The five columns are the rows of one ``[5, capacity]`` array (``req``, ``seq``, ...
 are views of its rows), so that removing rows, or reading every column of a few
-rows (:meth:`DecodeBatch.columns`), is one numpy call rather than six: a batch of
+rows (:meth:`DecodeBatch.columns`), is one numpy call rather than five: a batch of
 a few dozen rows is small enough that the per-call cost is most of the cost.
 
 Two sums the engine needs every step are kept as rows come and go:
@@ -24,7 +28,7 @@ Two sums the engine needs every step are kept as rows come and go:
 ``offset_sum() + n·g``) and :meth:`~DecodeBatch.end_min`, the ``g`` at which the
 first row completes (``final − offset`` is fixed for a row's life). Rows change
 only through ``add``, ``remove``, ``remove_rows`` and ``clear``: ``offset`` and
-``final`` are never written in place (``owned`` and ``requested`` are, by growth),
+``final`` are never written in place (``room`` is, by growth),
 and a batch whose ``n`` was set from outside recomputes both sums on first use.
 """
 
@@ -33,14 +37,14 @@ from __future__ import annotations
 import numpy as np
 
 #: the columns, in the order of the rows of the backing array
-COLUMNS = ("req", "seq", "offset", "owned", "requested", "final")
+COLUMNS = ("req", "seq", "offset", "room", "final")
 _NO_END = 1 << 62  # end_min of an empty batch
 
 
 class DecodeBatch:
     """Struct of arrays over the sequences in their decode phase."""
 
-    __slots__ = ("n", "req", "seq", "offset", "owned", "requested", "final", "_cap", "_data",
+    __slots__ = ("n", "req", "seq", "offset", "room", "final", "_cap", "_data",
                  "_sums_n", "_offset_sum", "_end_min")
 
     def __init__(self, capacity: int = 64) -> None:
@@ -54,9 +58,8 @@ class DecodeBatch:
         self.req = data[0]        # request index == arrival rank
         self.seq = data[1]        # the allocator's sequence id
         self.offset = data[2]     # filled = offset + g
-        self.owned = data[3]      # slots held (allocator's rounding)
-        self.requested = data[4]  # slots asked of the allocator
-        self.final = data[5]      # prompt + output
+        self.room = data[3]       # the longest length it reaches without asking the KV manager
+        self.final = data[4]      # prompt + output
 
     def _grow(self) -> None:
         self._cap *= 2
@@ -70,7 +73,7 @@ class DecodeBatch:
         self._offset_sum = offset_sum
         self._end_min = end_min
 
-    def add(self, req: int, filled: int, g: int, owned: int, requested: int, final: int,
+    def add(self, req: int, filled: int, g: int, room: int, final: int,
             seq: int | None = None) -> None:
         if self.n == self._cap:
             self._grow()
@@ -79,8 +82,7 @@ class DecodeBatch:
         self.req[i] = req
         self.seq[i] = req if seq is None else seq
         self.offset[i] = offset
-        self.owned[i] = owned
-        self.requested[i] = requested
+        self.room[i] = room
         self.final[i] = final
         self.n = i + 1
         if self._sums_n == i:

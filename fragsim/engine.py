@@ -1,4 +1,4 @@
-"""The serving engine: a SimPy process that replays a trace against one allocator.
+"""The serving engine: a SimPy process that replays a trace against one KV manager.
 
 Step semantics (the contract every figure rests on)
 ---------------------------------------------------
@@ -7,39 +7,26 @@ A step starts at time ``t`` and lasts the cost model's step time ``dt``.
 * At its start, in this order: arrivals with ``arrival_time <= t`` join the
   queue (requests that can never be served are refused on the spot); waiting
   requests past ``queue_timeout`` are refused; every decoding sequence gets room
-  for the token it generates in this step (paged allocators may take a block;
-  when none is left the latest-arrived running request is preempted); swapped-out
-  requests are resumed, earliest first; unfinished prompt chunks continue; then
-  waiting requests are admitted first-come first-served while the allocator and
-  the batch limits (``max_num_seqs``, ``max_num_batched_tokens``) allow.
+  for the token it generates in this step (the KV manager may take a block or free
+  one a window left behind; when it cannot, the latest-arrived running request is
+  preempted); swapped-out requests are resumed, earliest first; unfinished prompt
+  chunks continue; then waiting requests are admitted first-come first-served
+  while the KV manager and the batch limits (``max_num_seqs``,
+  ``max_num_batched_tokens``) allow, each starting after its prefix-cache hit.
 * During the step the pool holds what was decided at its start.
 * At its end: each decoding sequence has stored one more token; a prompt whose
   last chunk ran holds ``prompt_len + 1`` tokens (its KV and the first output
-  token); a request that reaches ``prompt_len + output_len`` completes and frees
-  its memory at that instant.
+  token); computed full prompt blocks join the prefix cache; a request that
+  reaches ``prompt_len + output_len`` completes and frees its memory at that
+  instant.
 
-Most steps change nothing but lengths; :mod:`fragsim.stretch` advances such
-stretches in one go, and :mod:`fragsim.request_batching` holds request-level
-(``static``) batching.
-
-Two optional fast paths are looked up once, at construction: an allocator's
-``extend_many`` (grow every decoding sequence that needs room in one call, all or
-none; the paged allocator has it) and a cost model's ``decode_step_time`` (one
-decode step in plain floats). Anything that implements only the
-:class:`~fragsim.allocators.Allocator` and :class:`~fragsim.costmodel.CostModel`
-protocols runs the same steps without them, one ``extend`` per sequence and arrays
-of one element; both ways give the same blocks and the same step times.
-
-What sequences hold, and the split, belong to one KV manager (``self.kv``,
-:class:`fragsim.kv_manager.DenseKV` for the dense allocators): the engine asks it
-to admit, grow, release and record, and keeps no totals of its own.
-
-Block sharing (parallel samples, beam search, prefix caching) is
-:class:`fragsim.sharing.SharingEngine`, this engine with sharing-aware admission,
-growth, completion and preemption; here it shows only as the KV manager's
-``shared_total``, the slots that Σ owned counts more than once, subtracted wherever
-the split is recorded. Stretches keep working for samples and prefix caching; beams fork every
-step, so a beam-search run goes step by step in both modes.
+The engine schedules and keeps time; memory is the KV manager's
+(:mod:`fragsim.kv.protocol`): the engine asks it to admit, grow and free, and it
+records the split. A request decodes one sequence, or ``n`` that share its prompt
+(parallel samples, beam search: :mod:`fragsim.beams` picks the survivors and the
+engine forks and prunes them). Most steps change nothing but lengths:
+:mod:`fragsim.stretch` advances such stretches in one go, and
+:mod:`fragsim.request_batching` holds request-level (``static``) batching.
 """
 
 from __future__ import annotations
@@ -48,17 +35,18 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import simpy
 
 from fragsim import request_batching, stretch
-from fragsim.allocators import Allocator, Extent, reserve_slots
 from fragsim.batch import DecodeBatch
+from fragsim.beams import BeamSearch
 from fragsim.costmodel import CostModel
 from fragsim.engine_config import EngineConfig
-from fragsim.kv_manager import DenseKV, KVManager
+from fragsim.kv import as_kv_manager
+from fragsim.kv.protocol import KVManager
 from fragsim.metrics import Recorder
 
 # Request status codes in the per-request arrays.
@@ -67,11 +55,12 @@ STATUS_NAMES = ["pending", "waiting", "running", "swapped", "finished", "refused
 REFUSE_TOO_LONG, REFUSE_TOO_LARGE, REFUSE_TIMEOUT = 1, 2, 3
 REFUSE_REASONS = {0: "", REFUSE_TOO_LONG: "too_long", REFUSE_TOO_LARGE: "too_large",
                   REFUSE_TIMEOUT: "timeout"}
-_BLOCK_FRAG, _BLOCK_CAP, _BLOCK_BATCH = 1, 2, 4
+BLOCK_FRAG, BLOCK_CAP, BLOCK_BATCH = 1, 2, 4
 _REFUSAL_COUNTER = {REFUSE_TOO_LONG: "num_refused_too_long", REFUSE_TOO_LARGE: "num_refused_too_large",
                     REFUSE_TIMEOUT: "num_refused_timeout"}
-_BLOCK_COUNTER = {_BLOCK_FRAG: "num_blocked_fragmentation", _BLOCK_CAP: "num_blocked_capacity",
-                  _BLOCK_BATCH: "num_blocked_batch_limit"}
+_BLOCK_COUNTER = {BLOCK_FRAG: "num_blocked_fragmentation", BLOCK_CAP: "num_blocked_capacity",
+                  BLOCK_BATCH: "num_blocked_batch_limit"}
+
 
 class StepObserver(Protocol):
     """Something that follows the run step by step (the GPU backend, a tracer)."""
@@ -86,81 +75,72 @@ class StepObserver(Protocol):
 @dataclass(frozen=True)
 class LiveSequence:
     req: int
-    filled: int    # tokens stored now
-    final: int     # prompt + output
+    filled: int      # tokens stored now
+    final: int       # prompt + output
     decoding: bool
-    seq: int = -1  # the allocator's sequence id; -1: the request's own (req)
+    seq_id: int      # the KV manager's sequence id (the request's own for its first)
     cached: int = 0  # leading positions found in the prefix cache at its admission (not its writes)
-
-    @property
-    def seq_id(self) -> int:
-        return self.req if self.seq < 0 else self.seq
 
 
 @dataclass(slots=True)
-class _Prefill:
+class Prefill:
     """A request whose prompt (or, after recompute, prompt + generated) is being processed."""
 
     req: int
-    target: int       # tokens to process
-    done: int         # processed so far; filled == done until the last chunk
-    owned: int        # Σ over its sequences
-    requested: int
-    seqs: tuple[int, ...] = ()  # sharing runs: its sequences, the request's own first
-    shared: int = 0   # slots its sequences share among themselves (forked from the first)
-    cached: int = 0   # leading tokens found in the prefix cache (done started there)
+    target: int                 # tokens to process
+    done: int                   # processed so far; filled == done until the last chunk
+    seqs: tuple[int, ...]       # its sequences, the request's own first
+    rooms: tuple[int, ...]      # their rooms (KV manager)
+    shared: int = 0             # slots its sequences share among themselves
+    cached: int = 0             # leading tokens found in the prefix cache (done started there)
 
 
 class Engine:
-    """Replays ``trace`` against ``allocator``; call :meth:`run` once."""
+    """Replays ``trace`` against a KV manager (or an allocator, which gets
+    :class:`~fragsim.kv.dense.DenseKV`); call :meth:`run` once."""
 
-    def __init__(self, trace: object, allocator: Allocator, cost_model: CostModel,
+    def __init__(self, trace: Any, kv: KVManager | Any, cost_model: CostModel,
                  config: EngineConfig, progress: Callable[[int], None] | None = None,
                  observer: StepObserver | None = None) -> None:
         if observer is not None and not config.exact_steps:
             raise ValueError("an observer sees every step, so it needs exact_steps=True")
-        if config.batching == "static" and allocator.grows_on_demand:
-            raise ValueError(
-                f"request-level (static) batching reserves each request's memory when its batch "
-                f"forms; {allocator.name!r} grows on demand: use a reserving allocator (ft-static, "
-                f"orca-*, static, contiguous, buddy) or --batching continuous")
-        self.observer = observer
-        self.cfg = config
-        self.alloc = allocator
-        self.cost = cost_model
-        self.progress = progress
-        self.grows = bool(allocator.grows_on_demand)
-        self.kv = self._make_kv(allocator)
+        self.kv: KVManager = as_kv_manager(kv, trace, config)
+        self.kv.validate(config)
+        self.observer, self.cfg, self.cost, self.progress = observer, config, cost_model, progress
+        self.grows = self.kv.grows_on_demand
+        self.width = config.width
+        self.beams = BeamSearch(config.width, config.beam_theta, config.sharing_seed) \
+            if config.beam_width > 1 else None
         # Optional fast path; a cost model that implements only the protocol goes without.
-        self._decode_step_time: Callable[[int, int], float] | None = \
+        self.decode_step_time: Callable[[int, int], float] | None = \
             getattr(cost_model, "decode_step_time", None)
-        self.block_size = int(getattr(allocator, "block_size", 1) or 1)
-        self.capacity = int(allocator.capacity)
-        self.rec = Recorder(self.capacity, config.timeseries_resolution_s,
-                            free_probe=allocator.num_free)
+        self.capacity = self.kv.capacity
+        self.rec = Recorder(self.capacity, config.timeseries_resolution_s, free_probe=self.kv.free_probe)
+        #: further checks run wherever ``check=True`` checks (tests add oracles here)
+        self.checks: list[Callable[[Engine], None]] = []
 
-        arrival = np.asarray(trace.arrival_s, dtype=np.float64)  # type: ignore[attr-defined]
-        prompt = np.asarray(trace.prompt_len, dtype=np.int64).copy()  # type: ignore[attr-defined]
-        output = np.asarray(trace.output_len, dtype=np.int64).copy()  # type: ignore[attr-defined]
-        self.N = len(arrival)
-        self.arrival, self.prompt, self.output = arrival, prompt, output
-        self.status = np.full(self.N, PENDING, dtype=np.int8)
-        self.refused = np.zeros(self.N, dtype=np.int8)
-        self.blocked = np.zeros(self.N, dtype=np.int8)
-        self.generated = np.zeros(self.N, dtype=np.int64)
-        self.preemptions = np.zeros(self.N, dtype=np.int32)
-        self.first_token = np.full(self.N, np.nan)
-        self.finish = np.full(self.N, np.nan)
+        self.arrival = np.asarray(trace.arrival_s, dtype=np.float64)
+        self.prompt = np.asarray(trace.prompt_len, dtype=np.int64).copy()
+        self.output = np.asarray(trace.output_len, dtype=np.int64).copy()
+        self.N = N = len(self.arrival)
+        self.status = np.full(N, PENDING, dtype=np.int8)
+        self.refused = np.zeros(N, dtype=np.int8)
+        self.blocked = np.zeros(N, dtype=np.int8)
+        self.generated = np.zeros(N, dtype=np.int64)
+        self.preemptions = np.zeros(N, dtype=np.int32)
+        self.cached = np.zeros(N, dtype=np.int64)  # tokens found cached at its last admission
+        self.first_token = np.full(N, np.nan)
+        self.finish = np.full(N, np.nan)
         self._classify_requests()
         self.final = self.prompt + self.output
 
-        self.now = float(arrival[0]) if self.N else 0.0
+        self.now = float(self.arrival[0]) if N else 0.0
         self.g = 0                      # steps completed
-        self.num_steps = 0              # steps simulated (jumped ones included)
+        self.num_steps = 0              # steps simulated (stretched ones included)
         self.num_events = 0             # SimPy timeouts
-        self._next = 0                  # next trace row to pull
+        self.next_row = 0               # next trace row to pull
         self.waiting: deque[int] = deque()
-        self.prefilling: list[_Prefill] = []
+        self.prefilling: list[Prefill] = []
         self.swapped: deque[tuple[int, int, int]] = deque()  # (req, filled, slots held in CPU)
         self.swap_used = 0
         self.batch = DecodeBatch()
@@ -168,8 +148,12 @@ class Engine:
         self.num_prefix_queries = 0     # prefix caching: tokens looked up at admission (vLLM: queries)
         self.num_prefix_hits = 0        # of which found cached
         self.num_done = 0
-        self._quiet = False
-        self._static_running = False
+        self.quiet = False              # the last step left nothing pending (a stretch may follow)
+        self.backoff = stretch.Backoff()
+        self.static_running = False
+        self._next_seq = N              # sequence ids past the request ids (samples, beams)
+        #: (parent seq, child seq, shared positions) per fork, for an observer; None: not kept
+        self.fork_log: list[tuple[int, int, int]] | None = [] if observer is not None else None
         self._map_next = self.now
         self._map_times: list[float] = []
         self._map_rows: list[np.ndarray] = []
@@ -185,17 +169,8 @@ class Engine:
             self.prompt[fixable] = cfg.max_seq_len - self.output[fixable]
             self.rec.counters.num_truncated = int(fixable.sum())
             too_long &= ~fixable
-        final = self.prompt + self.output
-        # What the request must eventually hold, after the placement's rounding.
-        if self.grows:
-            need = self._eventual_need(final)
-        else:
-            policy = self.alloc.reserve
-            need = np.array([reserve_slots(policy, int(p), int(o), cfg.max_seq_len)
-                             for p, o in zip(self.prompt, self.output, strict=True)], dtype=np.int64) \
-                if policy == "pow2" else (np.full(self.N, cfg.max_seq_len) if policy == "max" else final)
-        fits = self._fits_alone(np.unique(need))
-        too_large = ~too_long & ~np.array([fits[int(x)] for x in need], dtype=bool) if self.N else too_long
+        fits = self.kv.fits_alone(self.prompt, self.output, self.width) if self.N else too_long
+        too_large = ~too_long & ~fits
         self.refused[too_long] = REFUSE_TOO_LONG
         self.refused[too_large] = REFUSE_TOO_LARGE
         self.servable = ~(too_long | too_large)
@@ -205,35 +180,22 @@ class Engine:
         self.next_servable = np.minimum.accumulate(idx[::-1])[::-1] if self.N else idx
         self.next_servable = np.append(self.next_servable, self.N)
 
-    def _fits_alone(self, needs: np.ndarray) -> dict[int, bool]:
-        """For each distinct need (slots), whether the empty pool could place it."""
-        largest_empty = self.alloc.largest_allocatable()
-        rounded = np.array([self.alloc.rounded(int(x)) for x in needs], dtype=np.int64)
-        return dict(zip(needs.tolist(), (rounded <= largest_empty).tolist(), strict=True))
-
-    def _make_kv(self, allocator: Allocator) -> KVManager:
-        """The KV manager this engine asks (a subclass may bring its own)."""
-        return DenseKV(allocator)
+    def attach(self, observer: StepObserver) -> None:
+        """Follow the run with ``observer`` (needs exact steps: it must see every step)."""
+        if not self.cfg.exact_steps:
+            raise ValueError("an observer sees every step, so it needs exact_steps=True")
+        self.observer = observer
+        self.fork_log = []
 
     # --------------------------------------------------------------- bookkeeping
 
-    def _eventual_need(self, final: np.ndarray) -> np.ndarray:
-        """Slots a request holds at its largest, for a placement that grows on demand."""
-        return final
-
-    def _dup_filled(self) -> int:
-        """Stored tokens that Σ filled counts more than once (only sharing runs have any)."""
-        return self.kv.shared_total
-
-    def _take(self, req: int, owned: int, delta: int = 1) -> None:
-        """Request ``req``'s sequence starts (stops) owning ``owned`` slots."""
-        self.kv.take(int(self.final[req]), owned, delta)
-
-    def _finish(self, req: int) -> None:
+    def finish_request(self, req: int) -> None:
         self.status[req] = FINISHED
         self.generated[req] = self.output[req]
         self.finish[req] = self.now
         self.num_done += 1
+        if self.kv.prefix is not None:
+            self.kv.prefix.forget(req)
         if self.progress is not None and self.num_done % 256 == 0:
             self.progress(self.num_done)
 
@@ -245,18 +207,18 @@ class Engine:
         self.num_done += 1
         self.rec.counters.bump(_REFUSAL_COUNTER[reason])
 
-    def _pull_arrivals(self) -> None:
+    def pull_arrivals(self) -> None:
         arrival, now = self.arrival, self.now
-        while self._next < self.N and arrival[self._next] <= now:
-            req = self._next
-            self._next += 1
+        while self.next_row < self.N and arrival[self.next_row] <= now:
+            req = self.next_row
+            self.next_row += 1
             if self.servable[req]:
                 self.status[req] = WAITING
                 self.waiting.append(req)
             else:
                 self._refuse(req, int(self.refused[req]))
 
-    def _expire_waiting(self) -> None:
+    def expire_waiting(self) -> None:
         timeout = self.cfg.queue_timeout_s
         if timeout is None or not self.waiting:
             return
@@ -274,172 +236,223 @@ class Engine:
         self.blocked[req] |= kind
         self.rec.counters.bump(_BLOCK_COUNTER[kind])
 
-    def _num_running(self) -> int:
-        return self.batch.n + len(self.prefilling)
+    def num_running(self) -> int:
+        """Sequences running: decoding rows and every sequence of a prefilling request."""
+        return self.batch.n + sum(len(p.seqs) for p in self.prefilling)
 
     # ---------------------------------------------------------------- preemption
 
     def _preempt_latest(self) -> int:
-        """Preempt the latest-arrived running request; return its request index."""
-        b = self.batch
-        cand_row = int(np.argmax(b.req[: b.n])) if b.n else -1
-        cand = int(b.req[cand_row]) if b.n else -1
+        """Preempt the latest-arrived running request, all of its sequences."""
+        b, kv = self.batch, self.kv
+        cand = int(b.req[: b.n].max()) if b.n else -1
         pre = max(self.prefilling, key=lambda p: p.req) if self.prefilling else None
         if pre is not None and pre.req > cand:
+            self.cached[pre.req] = 0  # its next placement finds the cache anew
             self.prefilling.remove(pre)
-            self.kv.release(pre.req, pre.owned, int(self.final[pre.req]))
-            self._requeue(pre.req, 0, pre.owned)
+            held = sum(kv.free(seq) for seq in pre.seqs)
+            self._requeue(pre.req, 0, held)
             return pre.req
         if cand < 0:
             raise RuntimeError("growth failed with nothing running to preempt")
-        filled = int(b.offset[cand_row]) + self.g
-        owned = int(b.owned[cand_row])
-        # Recompute re-prefills the prompt and every token generated so far.
-        self.generated[cand] = filled - int(self.prompt[cand])
-        self.kv.release(int(b.seq[cand_row]), owned, int(self.final[cand]))
-        b.remove(cand_row)
-        self._requeue(cand, filled, owned)
+        self.cached[cand] = 0
+        rows = np.flatnonzero(b.req[: b.n] == cand)
+        rows = rows[np.argsort(b.seq[rows])]
+        filled = int(b.offset[rows[0]]) + self.g
+        held = 0
+        for seq in b.seq[rows].tolist():
+            held += kv.free(seq)
+            if self.beams is not None:
+                self.beams.forget(seq)  # a group restarts from its prompt
+        b.remove_rows(rows)
+        alone = len(rows) == 1 and self.width == 1
+        if alone:
+            # Recompute re-prefills the prompt and every token generated so far.
+            self.generated[cand] = filled - int(self.prompt[cand])
+        self._requeue(cand, filled if alone else 0, held)  # a group is recomputed, never swapped
         return cand
 
-    def _requeue(self, req: int, filled: int, owned: int) -> None:
+    def _requeue(self, req: int, filled: int, held: int) -> None:
         self.preemptions[req] += 1
         c = self.rec.counters
         if (self.cfg.preemption == "swap" and filled > 0
-                and self.swap_used + owned <= self.cfg.swap_space_slots):
-            self.swap_used += owned
-            self.swapped.append((req, filled, owned))
+                and self.swap_used + held <= self.cfg.swap_space_slots):
+            self.swap_used += held
+            self.swapped.append((req, filled, held))
             self.status[req] = SWAPPED
             c.num_preemptions_swap += 1
-            self._step_extra += owned * self.cfg.kv_bytes_per_token / self.cfg.swap_bandwidth
+            self.step_extra += held * self.cfg.kv_bytes_per_token / self.cfg.swap_bandwidth
         else:
             self.status[req] = WAITING
             self.waiting.appendleft(req)
             c.num_preemptions_recompute += 1
-        self._freed = True
+        self.freed = True
 
     # ---------------------------------------------------------------- one step
 
     def _rows_needing_room(self) -> np.ndarray:
-        """Decoding rows whose next token does not fit in what they own, in request order."""
+        """Decoding rows whose next token passes their room, in request (then sequence) order."""
         b = self.batch
-        need = (b.offset[: b.n] + (self.g + 1) > b.owned[: b.n]).nonzero()[0]
+        need = (b.offset[: b.n] + (self.g + 1) > b.room[: b.n]).nonzero()[0]
         if len(need) > 1:
-            need = need[b.req[need].argsort(kind="stable")]
+            need = need[np.lexsort((b.seq[need], b.req[need]))]
         return need
 
     def _grow_decoders(self) -> None:
-        """Room for this step's token in every decoding sequence (paged: maybe a block).
+        """Room for this step's token in every decoding sequence.
 
-        Rows grow in request order. The KV manager grows them all in one call where
-        its allocator can (all or none); when it cannot, they grow one by one until
-        one fails, the latest-arrived running request is preempted, and the rows that
-        still need room are worked out anew. Both orders take the same blocks: the
-        one call succeeds exactly when no single extend would fail.
+        Rows grow in request order. The KV manager grows them all in one call where it
+        can (all or none); when it cannot, they grow one by one until one fails, the
+        latest-arrived running request is preempted, and the rows that still need room
+        are worked out anew. Both orders take the same blocks: the one call succeeds
+        only when no single growth would fail.
         """
+        if self.beams is not None and self.batch.n:
+            self._beam_step()
         b, kv = self.batch, self.kv
         while True:
             need = self._rows_needing_room()
             if len(need) == 0:
                 return
-            reqs, seqs, offsets, owned, requested, finals = b.columns(need)
+            _, seqs, offsets, rooms, finals = b.columns(need)
             g1 = self.g + 1
             targets = [offset + g1 for offset in offsets]
-            new = kv.grow_many(seqs, [t - r for t, r in zip(targets, requested, strict=True)],
-                               owned, finals)
+            new = kv.grow_many(seqs, targets, rooms, finals)
             if new is not None:
-                b.owned[need] = new
-                b.requested[need] = targets
+                b.room[need] = new
                 return
-            for row, seq, target, old, asked, final in zip(
-                    need.tolist(), seqs, targets, owned, requested, finals, strict=True):
-                new_owned = kv.grow(seq, target - asked, old, final)
-                if new_owned is not None:
-                    b.owned[row] = new_owned
-                    b.requested[row] = target
-                else:
+            for row, seq, target in zip(need.tolist(), seqs, targets, strict=True):
+                room = kv.grow(seq, target)
+                if room is None:
                     self._preempt_latest()
                     break  # rows moved: recompute who still needs room
+                b.room[row] = room
             else:
                 return
 
+    def _beam_step(self) -> None:
+        """Prune and fork every beam group whose survivors are not its own beams."""
+        assert self.beams is not None
+        b, kv, g = self.batch, self.kv, self.g
+        n = b.n
+        for group in self.beams.step(b.req[:n], b.seq[:n]):
+            picked: list[list[float]] = [[] for _ in group.seqs]
+            for parent, score in zip(group.parents, group.scores, strict=True):
+                picked[parent].append(score)
+            rows = np.flatnonzero(b.req[: b.n] == group.req)
+            rows = rows[np.argsort(b.seq[rows])]
+            final = int(self.final[group.req])
+            pruned = [i for i in range(len(group.seqs)) if not picked[i]]
+            for i in pruned:  # pruned first: their blocks come free
+                kv.free(group.seqs[i])
+                self.beams.forget(group.seqs[i])
+            for row, seq, scores in zip(rows.tolist(), group.seqs, picked, strict=True):
+                if not scores:
+                    continue
+                self.beams.scores[seq] = scores[0]
+                filled = int(b.offset[row]) + g
+                for child_score in scores[1:]:
+                    child = self._next_seq
+                    self._next_seq += 1
+                    room = kv.fork(seq, child, filled)  # type: ignore[attr-defined]
+                    self.beams.scores[child] = child_score
+                    if self.fork_log is not None:
+                        self.fork_log.append((seq, child, filled))
+                    b.add(group.req, filled, g, room, final, child)
+                b.room[row] = kv.room(seq)  # its last block may be shared now
+            b.remove_rows(rows[pruned])
+
     def _resume_swapped(self) -> None:
-        while self.swapped and self._num_running() < self.cfg.max_num_seqs and self._budget > 0:
+        while self.swapped and self.num_running() < self.cfg.max_num_seqs and self.budget > 0:
             req, filled, cpu_slots = self.swapped[0]
-            owned = self.kv.admit(req, filled + 1, int(self.final[req]))
-            if owned is None:
+            final = int(self.final[req])
+            admitted = self.kv.admit((req,), filled + 1, final, int(self.prompt[req]), None)
+            if admitted is None:
                 return
             self.swapped.popleft()
             self.swap_used -= cpu_slots
-            self.batch.add(req, filled, self.g, owned, filled + 1, int(self.final[req]))
+            self.batch.add(req, filled, self.g, admitted.rooms[0], final)
             self.status[req] = RUNNING
-            self._budget -= 1
-            self._step_extra += filled * self.cfg.kv_bytes_per_token / self.cfg.swap_bandwidth
+            self.budget -= 1
+            self.step_extra += filled * self.cfg.kv_bytes_per_token / self.cfg.swap_bandwidth
 
-    def _admit(self) -> bool:
-        """Admit FCFS; True if the queue head is blocked (or the queue is empty)."""
-        cfg, alloc = self.cfg, self.alloc
+    def admit_waiting(self) -> bool:
+        """Admit FCFS, each request's sequences together and after its prefix-cache hit;
+        True if the queue head is blocked (or the queue is empty)."""
+        cfg, kv, width = self.cfg, self.kv, self.width
+        prefix = kv.prefix
         while self.waiting:
             req = self.waiting[0]
-            if self._num_running() >= cfg.max_num_seqs or self._budget <= 0:
-                self._mark_blocked(req, _BLOCK_BATCH)
+            if self.num_running() + width > cfg.max_num_seqs or self.budget <= 0:
+                self._mark_blocked(req, BLOCK_BATCH)
                 return True
-            context = int(self.prompt[req] + self.generated[req])
-            if self.grows:
-                need = context + 1
-            else:
-                need = reserve_slots(alloc.reserve, int(self.prompt[req]), int(self.output[req]),
-                                     cfg.max_seq_len)
-            owned = self.kv.admit(req, need, int(self.final[req]))
-            if owned is None:
-                frag = alloc.num_free() >= alloc.rounded(need)
-                self._mark_blocked(req, _BLOCK_FRAG if frag else _BLOCK_CAP)
+            prompt = int(self.prompt[req])
+            # A group restarts from its prompt after a preemption; one sequence resumes.
+            context = prompt if width > 1 else prompt + int(self.generated[req])
+            hit = prefix.lookup(req, prompt, context) if prefix is not None else None
+            tokens = kv.admission_tokens(prompt, int(self.output[req]), context)
+            seqs = (req, *range(self._next_seq, self._next_seq + width - 1))
+            admitted = kv.admit(seqs, tokens, int(self.final[req]), prompt, hit)
+            if admitted is None:
+                frag = kv.blocked_by_fragmentation(tokens)
+                self._mark_blocked(req, BLOCK_FRAG if frag else BLOCK_CAP)
                 return True
+            self._next_seq += width - 1
+            if self.fork_log is not None:
+                self.fork_log += [(req, child, prompt) for child in seqs[1:]]
             self.waiting.popleft()
             self.status[req] = RUNNING
-            self.prefilling.append(_Prefill(req, context, 0, owned, need))
-            self._chunks.append((self.prefilling[-1], min(self._budget, context)))
-            self._budget -= self._chunks[-1][1]
+            done = hit.tokens if hit is not None else 0
+            p = Prefill(req, context, done, seqs, admitted.rooms, admitted.shared, done)
+            self.prefilling.append(p)
+            chunk = min(self.budget, context - done)
+            self.chunks.append((p, chunk))
+            self.budget -= chunk
+            if prefix is not None:
+                self.num_prefix_queries += context
+                self.num_prefix_hits += done
+                self.cached[req] = done
         return True
 
     def _step(self) -> float:
         """One step from ``self.now``: decisions, then its duration. Returns dt."""
         cfg = self.cfg
-        self._step_extra = 0.0
-        self._freed = False
-        self._chunks: list[tuple[_Prefill, int]] = []
-        self._pull_arrivals()
-        self._expire_waiting()
+        self.step_extra = 0.0
+        self.freed = False
+        self.chunks: list[tuple[Prefill, int]] = []
+        self.pull_arrivals()
+        self.expire_waiting()
         if self.grows:
             self._grow_decoders()
-        self._budget = cfg.num_batched_tokens - self.batch.n
+        self.budget = cfg.num_batched_tokens - self.batch.n
         self._resume_swapped()
         for p in self.prefilling:
-            if self._budget <= 0:
+            if self.budget <= 0:
                 break
-            if not self._chunks or all(p is not q for q, _ in self._chunks):
-                chunk = min(self._budget, p.target - p.done)
-                self._chunks.append((p, chunk))
-                self._budget -= chunk
-        head_blocked = not self.swapped and self._admit()
+            if not self.chunks or all(p is not q for q, _ in self.chunks):
+                chunk = min(self.budget, p.target - p.done)
+                self.chunks.append((p, chunk))
+                self.budget -= chunk
+        head_blocked = not self.swapped and self.admit_waiting()
         swapped_blocked = bool(self.swapped)
 
         b = self.batch
         n = b.n
         decode_context = b.offset_sum() + n * self.g
-        if self._chunks or self._step_extra:
-            tokens = sum(c for _, c in self._chunks)
-            units = sum(c * p.done + c * (c - 1) // 2 for p, c in self._chunks)
-            dt = self.cost.step_time(tokens, units, n, decode_context) + self._step_extra
+        if self.chunks or self.step_extra:
+            tokens = sum(c for _, c in self.chunks)
+            units = sum(c * p.done + c * (c - 1) // 2 for p, c in self.chunks)
+            dt = self.cost.step_time(tokens, units, n, decode_context) + self.step_extra
         elif n:
-            if self._decode_step_time is not None:
-                dt = self._decode_step_time(n, decode_context)
+            if self.decode_step_time is not None:
+                dt = self.decode_step_time(n, decode_context)
             else:
                 dt = float(self.cost.decode_step_times(n, np.array([decode_context]))[0])
         else:
             return 0.0
         self._record_step(dt, decode_context)
         if cfg.check:
-            self._check()
+            self.check()
         if self.observer is not None:
             self.observer.before_step(self, dt)
         self.now = self.now + dt
@@ -447,86 +460,82 @@ class Engine:
         self._end_step()
         if self.observer is not None:
             self.observer.after_step(self)
-        self._quiet = (not self.prefilling and not self._freed
-                       and (head_blocked or not self.waiting) and (swapped_blocked or not self.swapped))
+        self.quiet = (not self.prefilling and not self.freed
+                      and (head_blocked or not self.waiting) and (swapped_blocked or not self.swapped))
         return dt
 
     def _record_step(self, dt: float, decode_context: int) -> None:
         """The split held during this step (``decode_context``: tokens the decode rows hold)."""
-        token_states = decode_context
+        stored = decode_context
         if self.prefilling:
-            token_states += sum(p.done for p in self.prefilling)
-        if self.kv.shared_total:
-            token_states -= self._dup_filled()
-        self.kv.record(self.rec, self.now, dt, token_states, self._num_running(),
+            stored += sum(p.done for p in self.prefilling)
+        if self.kv.shared_slots:
+            stored -= self.duplicate_stored()
+        self.kv.record(self.rec, self.now, dt, stored, self, self.num_running(),
                        len(self.waiting) + len(self.swapped))
+
+    def duplicate_stored(self) -> int:
+        """Stored tokens that Σ filled counts more than once: shared slots, less those a
+        prefilling request's own sequences share (its stored tokens count once)."""
+        return self.kv.shared_slots - sum(p.shared for p in self.prefilling)
 
     def _end_step(self) -> None:
         self.g += 1
-        g = self.g
-        for p, chunk in self._chunks:
+        g, prefix = self.g, self.kv.prefix
+        for p, chunk in self.chunks:
             p.done += chunk
             self.num_prefill_tokens += chunk
+            req = p.req
+            if prefix is not None:
+                prefix.cache(req, int(self.prompt[req]), p.done)
             if p.done < p.target:
                 continue
             self.prefilling.remove(p)
-            req = p.req
             self.generated[req] += 1
             if math.isnan(self.first_token[req]):
                 self.first_token[req] = self.now
-            self.batch.add(req, p.target + 1, g, p.owned, p.requested, int(self.final[req]))
+            final = int(self.final[req])
+            for seq, room in zip(p.seqs, p.rooms, strict=True):
+                self.batch.add(req, p.target + 1, g, room, final, seq)
+            if self.beams is not None:
+                self.beams.start(p.seqs)
         b = self.batch
         if g < b.end_min():
             return  # no row completes in this step
-        n = b.n
-        done = (b.offset[:n] + g >= b.final[:n]).nonzero()[0]
+        done = (b.offset[: b.n] + g >= b.final[: b.n]).nonzero()[0]
         if len(done):
-            reqs, seqs, _, owned, _, finals = b.columns(done)
-            release, status = self.kv.release, self.status
-            for req, seq, held, final in zip(reqs, seqs, owned, finals, strict=True):
-                release(seq, held, final)
+            status, free = self.status, self.kv.free
+            for req, seq in zip(b.req[done].tolist(), b.seq[done].tolist(), strict=True):
+                free(seq)
+                if self.beams is not None:
+                    self.beams.forget(seq)
                 if status[req] != FINISHED:  # several rows of one request end together
-                    self._finish(req)
+                    self.finish_request(req)
             b.remove_rows(done)
-            self._freed = True
-
-    # ------------------------------------------------------------- stretches
-
-    def _jump(self) -> float:
-        """Advance a stretch of uneventful decode steps at once (see :mod:`fragsim.stretch`)."""
-        return stretch.jump(self)
-
-    def _static_step(self) -> float:
-        return request_batching.static_step(self)
-
-    def _static_jump(self) -> float:
-        return request_batching.static_jump(self)
+            self.freed = True
 
     # ------------------------------------------------------------------ driver
 
     def _idle_until_next_arrival(self) -> float:
-        nxt = self._next
+        nxt = self.next_row
         if nxt >= self.N:
             return 0.0
         target = float(self.arrival[nxt])
         dt = target - self.now
         if dt > 0:
-            self._record_idle(dt)
+            self.kv.record(self.rec, self.now, dt, 0, self, 0, len(self.waiting))
         self.now = target
         return dt
 
-    def _record_idle(self, dt: float) -> None:
-        """The split while nothing runs, until the next arrival."""
-        self.kv.record(self.rec, self.now, dt, 0, 0, len(self.waiting))
-
     def _process(self, env: simpy.Environment):  # type: ignore[no-untyped-def]
         static = self.cfg.batching == "static"
-        step, jump = (self._static_step, self._static_jump) if static else (self._step, self._jump)
+        step, jump = (request_batching.static_step, request_batching.static_jump) if static \
+            else (Engine._step, stretch.jump)
         while self.num_done < self.N:
-            dt = jump() or step()
+            dt = jump(self) or step(self)
             if not dt:
-                busy = self._num_running() or self.waiting or self.swapped
-                if busy and self._next >= self.N:
+                busy = self.num_running() or self.waiting or self.swapped
+                if busy and self.next_row >= self.N:
                     raise RuntimeError(
                         f"scheduler stalled at t={self.now:.3f}s with {len(self.waiting)} waiting and "
                         f"nothing running; this is a bug (please report the configuration)")
@@ -538,24 +547,52 @@ class Engine:
                 self._sample_address_map()
             yield env.timeout(max(0.0, self.now - env.now))
 
-    def attach(self, observer: StepObserver) -> None:
-        """Follow the run with ``observer`` (needs exact steps: it must see every step)."""
-        if not self.cfg.exact_steps:
-            raise ValueError("an observer sees every step, so it needs exact_steps=True")
-        self.observer = observer
+    def run(self) -> Engine:
+        env = simpy.Environment(initial_time=self.now)
+        env.process(self._process(env))
+        env.run()
+        if self.progress is not None:
+            self.progress(self.num_done)
+        return self
+
+    # ------------------------------------------------------------------ views
+
+    def seqs(self) -> np.ndarray:
+        """Ids of every sequence holding memory now, in :meth:`computed`'s order."""
+        b = self.batch
+        seqs = b.seq[: b.n]
+        if self.prefilling:
+            seqs = np.concatenate((seqs, [p.req for p in self.prefilling]))
+        return seqs.astype(np.int64, copy=False)
+
+    def computed(self) -> np.ndarray:
+        """Tokens stored by every sequence holding memory now: the decoding rows', then
+        each prefilling request's (its first sequence)."""
+        b = self.batch
+        computed = b.offset[: b.n] + self.g
+        if self.prefilling:
+            computed = np.concatenate((computed, [p.done for p in self.prefilling]))
+        return computed.astype(np.int64, copy=False)
 
     def live_sequences(self) -> list[LiveSequence]:
-        """Every request holding KV memory now, with what it has stored (the observer's view)."""
-        b, g = self.batch, self.g
-        out = [LiveSequence(int(r), int(min(o + g, f)), int(f), True, int(s))
+        """Every sequence holding KV memory now, with what it has stored (the observer's view)."""
+        b, g, cached = self.batch, self.g, self.cached
+        out = [LiveSequence(int(r), int(min(o + g, f)), int(f), True, int(s), int(cached[r]) if s == r else 0)
                for r, o, f, s in zip(b.req[: b.n], b.offset[: b.n], b.final[: b.n], b.seq[: b.n],
                                      strict=True)]
-        out += [LiveSequence(p.req, p.done, int(self.final[p.req]), False) for p in self.prefilling]
+        for p in self.prefilling:
+            final = int(self.final[p.req])
+            out.append(LiveSequence(p.req, p.done, final, False, p.req, p.cached))
+            # The other sequences of a prefilling group store nothing of their own yet.
+            out += [LiveSequence(p.req, 0, final, False, seq) for seq in p.seqs[1:]]
         return out
 
     def memory_split(self) -> tuple[int, int, int, int]:
-        """(token_states, reservation, internal, free) right now, from the engine's bookkeeping."""
-        return self.kv.split(sum(s.filled for s in self.live_sequences()))
+        """(token_states, reservation, internal, free) right now, in the KV manager's unit."""
+        b = self.batch
+        stored = int(np.minimum(b.offset[: b.n] + self.g, b.final[: b.n]).sum()) \
+            + sum(p.done for p in self.prefilling) - (self.duplicate_stored() if self.kv.shared_slots else 0)
+        return self.kv.split(stored, self)
 
     def prefix_cache_stats(self) -> dict[str, float]:
         """Prefix-cache counts in vLLM's names, in tokens (all 0 without prefix caching)."""
@@ -564,52 +601,27 @@ class Engine:
                 "prefix_cache_hit_rate": hits / queries if queries else 0.0}
 
     def _sample_address_map(self) -> None:
-        """Who holds each slot now, binned to ``address_map_bins`` rows: the sequence id where
-        its token is stored, -2 where a sequence owns the slot but has not (or never will)
-        filled it (reservation and internal fragmentation), -1 where it is free."""
-        cap = self.capacity
-        owner = np.full(cap, -1, dtype=np.int64)
-        filled = {getattr(s, "seq", s.req): s.filled for s in self.live_sequences()}
-        for seq in self.alloc.seq_ids():
-            place = self.alloc.placement(seq)
-            if isinstance(place, Extent):
-                slots = np.arange(place.offset, place.offset + place.length)
-            else:
-                bs = place.block_size
-                blocks = np.asarray(place.block_ids, dtype=np.int64)
-                slots = (blocks[:, None] * bs + np.arange(bs)[None, :]).ravel()
-            n = filled.get(seq, 0)
-            owner[slots[n:]] = -2
-            owner[slots[:n]] = seq
-        bins = min(cap, self.cfg.address_map_bins)
+        """The KV manager's units now, binned to ``address_map_bins`` (a bin shows its first unit)."""
+        units = self.kv.sample_units({s.seq_id: s.filled for s in self.live_sequences()})
+        bins = min(len(units), self.cfg.address_map_bins)
         self._map_times.append(self.now)
-        self._map_rows.append(owner[(np.arange(bins) * cap) // bins])
-        interval = self.cfg.address_map_interval_s or 1.0
-        self._map_next = self.now + interval
+        self._map_rows.append(units[(np.arange(bins) * len(units)) // bins])
+        self._map_next = self.now + (self.cfg.address_map_interval_s or 1.0)
 
-    def address_map(self) -> dict[str, np.ndarray] | None:
-        """Sampled slot owners: ``time_s`` [T], ``owner`` [T, bins], ``slot`` [bins]."""
+    def address_map(self) -> dict[str, Any] | None:
+        """Sampled owners of the pool's units over time (:meth:`KVManager.address_map`)."""
         if not self._map_times:
             return None
-        bins = len(self._map_rows[0])
-        return {"time_s": np.array(self._map_times), "owner": np.vstack(self._map_rows),
-                "slot": (np.arange(bins) * self.capacity) // bins}
+        return self.kv.address_map(self._map_times, self._map_rows)
 
-    def _check(self) -> None:
-        """Recompute the split from per-sequence state and the allocator (slow; tests)."""
-        b, g = self.batch, self.g
-        owned = int(b.owned[: b.n].sum()) + sum(p.owned for p in self.prefilling)
-        internal = int(np.maximum(0, b.owned[: b.n] - b.final[: b.n]).sum()) \
-            + sum(max(0, p.owned - int(self.final[p.req])) for p in self.prefilling)
+    def check(self) -> None:
+        """Each row's room against the KV manager's, then the KV manager's own checks
+        (slow; tests) and any added :attr:`checks`."""
+        b, g, kv = self.batch, self.g, self.kv
         for row in range(b.n):
-            assert self.alloc.num_owned(int(b.seq[row])) == b.owned[row]
+            seq = int(b.seq[row])
+            assert kv.room(seq) == b.room[row], f"seq {seq}: the engine's room is not the KV manager's"
             assert int(b.offset[row]) + g <= b.final[row] or self.cfg.batching == "static"
-        self.kv.check(owned, internal)
-
-    def run(self) -> Engine:
-        env = simpy.Environment(initial_time=self.now)
-        env.process(self._process(env))
-        env.run()
-        if self.progress is not None:
-            self.progress(self.num_done)
-        return self
+        kv.check(self)
+        for fn in self.checks:
+            fn(self)

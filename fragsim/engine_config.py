@@ -28,11 +28,11 @@ class EngineConfig:
     max_jump_steps: int = 4096
     address_map_interval_s: float | None = None  # sample slot owners this often (figures)
     address_map_bins: int = 512
-    # Block sharing (fragsim.sharing.SharingEngine runs these; a paged allocator with fork):
+    # Block sharing (a KV manager whose allocator can fork: fragsim.kv.sharing):
     num_samples: int = 1                 # parallel sampling: sequences decoded per prompt
     beam_width: int = 1                  # beam search width
     prefix_caching: bool = False
-    beam_theta: float = 0.1              # next-token concentration θ of the beam model (fragsim.sharing)
+    beam_theta: float = 0.1              # next-token concentration θ of the beam model (fragsim.beams)
     sharing_seed: int = 0                # which beams survive each step
 
     def __post_init__(self) -> None:

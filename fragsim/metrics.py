@@ -24,7 +24,7 @@ by several sequences is one slot: every part above counts physical slots, and
 ``shared`` (slots that Σ owned(r) counts more than once) is integrated beside
 them, so that ``shared / (owned + shared)`` is the fraction of blocks sharing
 saves (the vLLM paper's Figure 15). How a shared slot is attributed is
-:mod:`fragsim.sharing`'s business; the recorder sees the physical parts.
+:mod:`fragsim.kv.sharing`'s business; the recorder sees the physical parts.
 
 The engine reports piecewise-constant states: "from ``t`` for ``dt`` seconds the
 pool looked like this". Averages are the exact time integrals divided by the

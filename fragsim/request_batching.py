@@ -11,60 +11,65 @@ from __future__ import annotations
 
 import numpy as np
 
-from fragsim.engine_state import EngineState
+from typing import TYPE_CHECKING
+
+from fragsim.kv.protocol import Rows
+
+if TYPE_CHECKING:
+    from fragsim.engine import Engine
 
 
-def static_step(engine: EngineState) -> float:
+def static_step(engine: Engine) -> float:
     """Request-level batching: form a batch, or run the current one one step."""
-    engine._step_extra = 0.0
-    engine._freed = False
-    engine._chunks = []
-    engine._pull_arrivals()
-    engine._expire_waiting()
+    engine.step_extra = 0.0
+    engine.freed = False
+    engine.chunks = []
+    engine.pull_arrivals()
+    engine.expire_waiting()
     b = engine.batch
-    if not engine._static_running:
-        engine._budget = 1 << 62  # the whole batch prefills in its first step
-        engine._admit()
+    if not engine.static_running:
+        engine.budget = 1 << 62  # the whole batch prefills in its first step
+        engine.admit_waiting()
         if not engine.prefilling:
             return 0.0
-        engine._static_running = True
+        engine.static_running = True
     n = b.n + len(engine.prefilling)
     decode_context = int(b.offset[: b.n].sum()) + b.n * engine.g
-    if engine._chunks:
-        tokens = sum(c for _, c in engine._chunks)
-        units = sum(c * (c - 1) // 2 for _, c in engine._chunks)
+    if engine.chunks:
+        tokens = sum(c for _, c in engine.chunks)
+        units = sum(c * (c - 1) // 2 for _, c in engine.chunks)
         dt = engine.cost.step_time(tokens, units, b.n, decode_context)
     else:
         dt = float(engine.cost.decode_step_times(n, np.array([decode_context]))[0])
     token_states = int(np.minimum(b.offset[: b.n] + engine.g, b.final[: b.n]).sum())
-    engine.kv.record(engine.rec, engine.now, dt, token_states, n, len(engine.waiting))
+    engine.kv.record(engine.rec, engine.now, dt, token_states, engine, n, len(engine.waiting))
     if engine.observer is not None:
         engine.observer.before_step(engine, dt)
     engine.now = engine.now + dt
     engine.num_steps += 1
     engine.g += 1
-    for p, chunk in engine._chunks:
+    for p, chunk in engine.chunks:
         engine.num_prefill_tokens += chunk
         engine.generated[p.req] += 1
         engine.first_token[p.req] = engine.now
-        b.add(p.req, p.target + 1, engine.g, p.owned, p.requested, int(engine.final[p.req]))
+        b.add(p.req, p.target + 1, engine.g, p.rooms[0], int(engine.final[p.req]))
     engine.prefilling.clear()
     if b.n and bool(np.all(b.offset[: b.n] + engine.g >= b.final[: b.n])):
         for row in range(b.n):
             req = int(b.req[row])
-            engine.kv.release(req, int(b.owned[row]), int(engine.final[req]))
-            engine._finish(req)
+            engine.kv.free(req)
+            engine.finish_request(req)
         b.clear()
-        engine._static_running = False
-    engine._quiet = engine._static_running
+        engine.static_running = False
+    engine.quiet = engine.static_running
     if engine.observer is not None:
         engine.observer.after_step(engine)
     return dt
 
-def static_jump(engine: EngineState) -> float:
+def static_jump(engine: Engine) -> float:
     b, cfg = engine.batch, engine.cfg
     n = b.n
-    if not engine._quiet or cfg.exact_steps or n == 0:
+    if not engine.quiet or cfg.exact_steps or n == 0:
         return 0.0
     filled0 = b.offset[:n] + engine.g
     remaining = b.final[:n] - filled0
@@ -77,8 +82,8 @@ def static_jump(engine: EngineState) -> float:
     starts = np.cumsum(np.concatenate(([engine.now], dts)))
     if cfg.queue_timeout_s is not None:
         first = next((r for r in engine.waiting if engine.preemptions[r] == 0), None)
-        if first is None and engine.next_servable[engine._next] < engine.N:
-            first = int(engine.next_servable[engine._next])
+        if first is None and engine.next_servable[engine.next_row] < engine.N:
+            first = int(engine.next_servable[engine.next_row])
             if engine.arrival[first] > starts[k - 1]:
                 first = None
         if first is not None:
@@ -93,10 +98,10 @@ def static_jump(engine: EngineState) -> float:
     rem_cum = np.concatenate(([0], np.cumsum(rem)))
     token_states = int(filled0.sum()) + rem_cum[below] + steps[:k] * (n - below)
     pulled = np.searchsorted(engine.arrival, starts[:k], side="right")
-    waiting = len(engine.waiting) + engine.servable_cum[pulled] - engine.servable_cum[engine._next]
-    engine.rec.record_steps(engine.now, dts[:k], token_states,
-                          np.full(k, engine.kv.owned_total), np.full(k, engine.kv.internal_total),
-                          np.full(k, engine.alloc.largest_allocatable()), n, waiting)
+    waiting = len(engine.waiting) + engine.servable_cum[pulled] - engine.servable_cum[engine.next_row]
+    b_rows = Rows(b.seq[:n], b.req[:n], filled0, b.room[:n], b.final[:n])
+    engine.kv.record_steps(engine.rec, engine.kv.stretch(b_rows, k, None, False), engine.now, dts[:k],
+                           token_states, n, waiting)
     engine.now = float(starts[k])
     engine.g += k
     engine.num_steps += k

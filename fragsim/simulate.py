@@ -84,7 +84,7 @@ class RunSpec:
 
     @property
     def sharing(self) -> bool:
-        """Blocks are shared: a paged allocator with fork runs it (fragsim.sharing)."""
+        """Blocks are shared: a paged allocator with fork runs it (fragsim.kv.sharing)."""
         return self.num_samples > 1 or self.beam_width > 1 or self.prefix_caching
 
     def to_dict(self) -> dict[str, Any]:
@@ -285,17 +285,16 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
         )
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
-    engine_class: type[Engine] = Engine
+    kv: Any = allocator
     if hybrid:
-        from fragsim.hybrid.engine import HybridEngine
+        from fragsim.hybrid.kv import HybridKV
+        from fragsim.prefix import PrefixKeys
 
-        engine_class = HybridEngine
-    elif config.sharing:
-        from fragsim.sharing import SharingEngine
-
-        engine_class = SharingEngine
+        keys = PrefixKeys(trace, allocator.block_size) if spec.prefix_caching and \
+            getattr(allocator, "prefix_caching", False) else None
+        kv = HybridKV(allocator, resolution, keys)
     try:
-        return engine_class(trace, allocator, cost, config, progress=progress)
+        return Engine(trace, kv, cost, config, progress=progress)
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
 
@@ -336,16 +335,17 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
         summary[f"{q}_frac"] = means[q] / cap if cap else 0.0
     for q in ("token_states", "reservation", "internal_fragmentation"):
         summary[f"peak_{q}_slots"] = peaks[q]
-    split_rec = getattr(engine, "split_rec", None)
-    if split_rec is not None:
+    hybrid = engine.kv.unit == "bytes"
+    kv_keys = engine.kv.summary()
+    if hybrid:
         # A hybrid manager's pool is bytes, not slots: the byte split replaces the slot keys.
         summary.update({k: None for k in list(summary) if k.endswith("_slots")})
         summary.update(capacity_slots=None, capacity_bytes=cap, kv_bytes_per_token=None)
-        summary.update(split_rec.summary())
+        summary.update(kv_keys)
     summary.update({
         "mean_external_fragmentation_ratio": means["external_fragmentation_ratio"],
         "peak_external_fragmentation_ratio": peaks["external_fragmentation_ratio"],
-        "mean_largest_allocatable_slots": means["largest_allocatable"] if split_rec is None else None,
+        "mean_largest_allocatable_slots": means["largest_allocatable"] if not hybrid else None,
         "mean_running": means["running"],
         "peak_running": peaks["running"],
         "mean_waiting": means["waiting"],
@@ -362,7 +362,7 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
         "p99_e2e_latency_s": _pct(e2e[done], 99),
         "mean_normalized_latency_s": float(np.mean(e2e[done] / out_len[done])) if done.any() else math.nan,
         "num_prefill_tokens": engine.num_prefill_tokens,
-        **_sharing_summary(engine, means["free"]),
+        **_sharing_summary(engine, means["free"], kv_keys),
         "sim_time_s": span,
         "num_steps": engine.num_steps,
         "num_events": engine.num_events,
@@ -386,26 +386,26 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
     return summary, requests
 
 
-def _sharing_summary(engine: Engine, mean_free: float) -> dict[str, Any]:
+def _sharing_summary(engine: Engine, mean_free: float, counts: dict[str, int]) -> dict[str, Any]:
     """Prefix-cache counts (vLLM's names, in tokens), blocks saved by sharing, vmm page tails.
 
     ``blocks_saved_frac`` is the vLLM paper's Figure-15 quantity: blocks sharing saves
     over the blocks the same sequences would hold without it, both time-averaged.
     """
-    alloc = engine.alloc
     shared = engine.rec.mean_shared()
     physical = engine.capacity - mean_free
+    token_bytes = counts.get("token_bytes", 0)
     out: dict[str, Any] = dict(engine.prefix_cache_stats())
     out.update({
-        "num_prefix_cache_evictions": int(getattr(alloc, "num_evictions", 0)),
+        "num_prefix_cache_evictions": counts.get("num_prefix_cache_evictions", 0),
         "mean_shared_slots": shared,
         "blocks_saved_frac": shared / (physical + shared) if physical + shared > 0 else 0.0,
-        # the beam model's next-token concentration (fragsim.sharing), when beams ran
+        # the beam model's next-token concentration (fragsim.beams), when beams ran
         "beam_theta": engine.cfg.beam_theta if engine.cfg.beam_width > 1 else None,
-        "vmm_tokens_per_page": int(getattr(alloc, "tokens_per_page", 0)),
+        "vmm_tokens_per_page": counts.get("vmm_tokens_per_page", 0),
         # Bytes of the pool no token can use: the page tails of every K and V buffer.
-        "page_tail_bytes": int(getattr(alloc, "page_tail_bytes", 0))
-        * (engine.cfg.kv_bytes_per_token // alloc.token_bytes if hasattr(alloc, "token_bytes") else 0),
+        "page_tail_bytes": counts.get("page_tail_bytes_per_buffer", 0)
+        * (engine.cfg.kv_bytes_per_token // token_bytes if token_bytes else 0),
     })
     return out
 
@@ -420,9 +420,8 @@ def simulate(trace: Any, allocator_name: str, spec: RunSpec,
     model, _ = _model_gpu(spec)
     summary, requests = summarize(engine, allocator_name, wall, model.kv_bytes_per_token_per_gpu(spec.tp))
     series = pd.DataFrame(engine.rec.timeseries())
-    split_rec = getattr(engine, "split_rec", None)
-    if split_rec is not None:
-        kinds = pd.DataFrame(split_rec.timeseries())
+    if engine.kv.unit == "bytes":
+        kinds = pd.DataFrame(engine.kv.timeseries())  # type: ignore[attr-defined]
         series = series.merge(kinds, on="time_s", how="left") if len(kinds) else series
     return RunResult(allocator_name, summary, requests, series, engine.address_map())
 

@@ -16,24 +16,31 @@ is the number of steps before the first one where anything could change; its ste
 times come from :meth:`~fragsim.costmodel.CostModel.decode_step_times` over the
 whole stretch, its memory split per step from the decode batch's arrays.
 
+Memory is the KV manager's: asked for ``k`` steps of the decoding rows
+(:meth:`~fragsim.kv.protocol.KVManager.stretch`), it says how many its blocks allow
+(a block that might not be free, a window's free that might let the queue's head
+in), moves the blocks at the steps they move, and records each step's split. This
+module does no block arithmetic.
+
 Most stretches are short: with a few hundred sequences a completion or an arrival
 comes every few steps, and a stretch of four steps is typical. There the cost is
 the number of numpy calls, not their size, so a short stretch (at most ``SHORT``
 steps) takes its step times one by one in plain floats (the same values the array
-evaluation gives, bit for bit) and stops at the next arrival as it goes, and a
-stretch of at most ``block_size`` steps, where no row takes a second block, does
-its growth bookkeeping in plain ints (:func:`jump_growth`). The numbers are those
-of the general path; only the number of calls changes.
+evaluation gives, bit for bit) and stops at the next arrival as it goes. The
+numbers are those of the general path; only the number of calls changes.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from fragsim.engine_state import EngineState
+from fragsim.kv.protocol import Rows
+
+if TYPE_CHECKING:
+    from fragsim.engine import Engine
 
 #: stretches of at most this many steps get their step times one by one, in plain floats
 #: (the cost model's ``decode_step_time``): most stretches are a handful of steps long,
@@ -51,16 +58,16 @@ class Plan(NamedTuple):
     watch: bool                 # nothing waits: the stretch stops where a request arrives
 
 
-def plan(engine: EngineState) -> Plan | None:
+def plan(engine: Engine) -> Plan | None:
     """How many uneventful decode steps may run at once, and their times (None: none).
 
     Stops before the first completion, the first step that starts once the next
     servable request has arrived (when nothing waits) and the first queue timeout.
-    Memory may shorten it further (:func:`jump_growth`, the hybrid managers).
+    Memory may shorten it further (the KV manager's :meth:`stretch`).
     """
     b, cfg = engine.batch, engine.cfg
     n = b.n
-    if n == 0 or not engine._quiet or cfg.exact_steps:
+    if n == 0 or not engine.quiet or cfg.exact_steps:
         return None
     now = engine.now
     # While requests wait the queue head is blocked and arrivals change nothing; else the
@@ -68,7 +75,7 @@ def plan(engine: EngineState) -> Plan | None:
     watch = not engine.waiting and not engine.swapped
     arrive = math.inf
     if watch:
-        nxt = int(engine.next_servable[engine._next])
+        nxt = int(engine.next_servable[engine.next_row])
         if nxt < engine.N:
             arrive = float(engine.arrival[nxt])
             if arrive <= now:
@@ -79,7 +86,7 @@ def plan(engine: EngineState) -> Plan | None:
     if k <= 0:
         return None
     ctx0 = b.offset_sum() + n * g
-    step_time = engine._decode_step_time
+    step_time = engine.decode_step_time
     if k <= SHORT and step_time is not None:
         # Step j starts at starts[j] (a running sum, as np.cumsum adds) and reads
         # ctx0 + n·j tokens; stop at the first step that starts once the request is in.
@@ -111,145 +118,85 @@ def plan(engine: EngineState) -> Plan | None:
     return Plan(k, dts, starts, ctx0, watch)
 
 
-def waiting_counts(engine: EngineState, stretch: Plan, k: int) -> np.ndarray:
+class Backoff:
+    """Under memory pressure a KV manager's stretch often cannot take its first step,
+    and stretches stall in runs. For a manager that asks for it (``backs_off``: its
+    stretch costs more than an exact step), after ``n`` stalls in a row the next
+    ``min(2^(n−1), 16)`` chances are stepped exactly without trying (a single step is
+    always exact; only speed changes), and the next stretch tries its first step
+    alone first (``stalled``)."""
+
+    def __init__(self) -> None:
+        self.stalls = 0
+        self.skip = 0
+
+    def stalled(self, backs_off: bool) -> None:
+        self.stalls += 1
+        if backs_off:
+            self.skip = min(1 << (self.stalls - 1), 16)
+
+
+def waiting_counts(engine: Engine, stretch: Plan, k: int) -> np.ndarray:
     """Requests waiting during each of the first ``k`` steps of a stretch."""
     if stretch.watch:
         # Nothing servable arrives before the stretch ends (that is where it stops).
         return np.zeros(k, dtype=np.int64)
     pulled = np.searchsorted(engine.arrival, stretch.starts[:k], side="right")
     return len(engine.waiting) + len(engine.swapped) \
-        + engine.servable_cum[pulled] - engine.servable_cum[engine._next]
+        + engine.servable_cum[pulled] - engine.servable_cum[engine.next_row]
 
 
-def jump(engine: EngineState) -> float:
-    """Advance a stretch of uneventful decode steps at once. Returns its duration (0: none)."""
+def head_tokens(engine: Engine) -> int | None:
+    """Tokens the queue's head would ask for if the batch limits let it in (None:
+    nothing waits, or the limits keep it out whatever memory frees)."""
+    if not engine.waiting or engine.num_running() >= engine.cfg.max_num_seqs \
+            or engine.batch.n >= engine.cfg.num_batched_tokens:
+        return None
+    head = engine.waiting[0]
+    return int(engine.prompt[head] + engine.generated[head]) + 1
+
+
+def jump(engine: Engine) -> float:
+    """Advance a stretch of uneventful decode steps at once. Returns its duration (0: none).
+
+    The time plan (:func:`plan`) bounds it; the KV manager says how many of those
+    steps its memory allows, moves its blocks, and records the split of each step."""
+    if engine.beams is not None and engine.batch.n:
+        return 0.0  # beams fork every step: no stretches while they decode
+    kv = engine.kv
+    backoff = engine.backoff
+    if backoff.skip:
+        backoff.skip -= 1
+        return 0.0
     stretch = plan(engine)
     if stretch is None:
         return 0.0
     b = engine.batch
-    n, g, k, ctx0 = b.n, engine.g, stretch.k, stretch.ctx0
+    n, g = b.n, engine.g
+    rows = Rows(b.seq[:n], b.req[:n], b.offset[:n] + g, b.room[:n], b.final[:n])
+    memory = kv.stretch(rows, stretch.k, head_tokens(engine), backoff.stalls > 0)
+    k = memory.k
+    if k <= 0:
+        backoff.stalled(kv.backs_off)
+        return 0.0
+    backoff.stalls = 0
+    if memory.rooms is not None:
+        b.room[:n] = memory.rooms
     # Shared slots stay put during a stretch (nothing forks, frees or is admitted), and
-    # every shared block is full: Σ owned and Σ filled both count them `shared` too often.
-    shared = engine.kv.shared_total
-    largest: np.ndarray | None
-    if engine.grows:
-        k, owned_steps, internal_steps = jump_growth(engine, b.offset[:n] + g, k)
-        if k <= 0:
-            return 0.0
-        if shared:
-            owned_steps = owned_steps - shared
-        largest = None  # paged: every free slot is allocatable
-    else:
-        owned_steps = np.full(k, engine.kv.owned_total, dtype=np.int64)
-        internal_steps = np.full(k, engine.kv.internal_total, dtype=np.int64)
-        largest = np.full(k, engine.alloc.largest_allocatable(), dtype=np.int64)
-    dts = stretch.dts[:k]
-    token_states = np.arange(ctx0 - shared, ctx0 - shared + n * k, n, dtype=np.int64)
-    engine.rec.record_steps(engine.now, dts, token_states, owned_steps, internal_steps,
-                            largest, n, waiting_counts(engine, stretch, k), shared)
+    # every shared block is full: Σ filled counts them `shared` too often.
+    first = stretch.ctx0 - kv.shared_slots
+    stored = np.arange(first, first + n * k, n, dtype=np.int64)
+    kv.record_steps(engine.rec, memory, engine.now, stretch.dts[:k], stored, n,
+                    waiting_counts(engine, stretch, k))
     return advance(engine, stretch, k)
 
 
-def advance(engine: EngineState, stretch: Plan, k: int) -> float:
+def advance(engine: Engine, stretch: Plan, k: int) -> float:
     """Move the clock and the step counter past the first ``k`` steps of a recorded
     stretch (checked with ``check=True``); returns their duration."""
     engine.now = float(stretch.starts[k])
     engine.g += k
     engine.num_steps += k
     if engine.cfg.check:
-        engine._check()
+        engine.check()
     return float(stretch.dts[:k].sum())
-
-
-def jump_growth(engine: EngineState, filled0: np.ndarray, k: int) -> tuple[int, np.ndarray, np.ndarray]:
-    """Paged growth over ``k`` steps: the blocks each step takes, in exact-mode order.
-
-    A row needs a new block at the start of step ``j`` when ``filled0 + j + 1`` first
-    exceeds what it owns, i.e. at ``j0 = owned − filled0``, then every ``B`` steps.
-    Stops before the first step whose blocks would not all be available.
-    """
-    b, B, kv = engine.batch, engine.block_size, engine.kv
-    n = b.n
-    j0 = b.owned[:n] - filled0
-    if k <= B:
-        return _growth_one_block_each(engine, j0, k)
-    count = np.where(j0 < k, (k - j0 + B - 1) // B, 0)
-    total = int(count.sum())
-    if total == 0:
-        return (k, np.full(k, kv.owned_total, dtype=np.int64),
-                np.full(k, kv.internal_total, dtype=np.int64))
-    rows = np.repeat(np.arange(n), count)
-    within = np.arange(total) - np.repeat(np.cumsum(count) - count, count)
-    step = j0[rows] + B * within
-    per_step = np.bincount(step, minlength=k)
-    cum = np.cumsum(per_step)
-    free_blocks = (kv.capacity - kv.physical) // B
-    over = np.flatnonzero(cum > free_blocks)
-    if len(over):
-        k = int(over[0])
-        keep = step < k
-        rows, within, step = rows[keep], within[keep], step[keep]
-        if k == 0:
-            return 0, per_step[:0], per_step[:0]
-    order = np.lexsort((b.req[rows], step))
-    final = b.final[rows]
-    old = b.owned[rows] + B * within
-    d_internal = np.maximum(0, old + B - final) - np.maximum(0, old - final)
-    owned_steps = kv.owned_total + B * np.cumsum(np.bincount(step, minlength=k))[:k]
-    internal_steps = kv.internal_total + np.cumsum(
-        np.bincount(step, weights=d_internal, minlength=k)).astype(np.int64)[:k]
-    # The blocks in exact-mode order: step by step, rows in request order within a step.
-    # A row's first block asks for what it lacks, each later one for B more slots.
-    rows, within = rows[order], within[order]
-    targets = old[order] + 1
-    asked = np.where(within > 0, B, targets - b.requested[rows])
-    if not kv.extend_all(b.seq[rows].tolist(), asked.tolist()):
-        raise AssertionError("paged growth failed inside a stretch that had room for it")
-    blocks = np.bincount(rows, minlength=n)
-    live_requested, live_owned = b.requested[:n], b.owned[:n]
-    np.copyto(live_requested, live_owned + (B * blocks - B + 1), where=blocks > 0)
-    live_owned += B * blocks
-    kv.moved(int(owned_steps[-1]) - kv.owned_total, int(internal_steps[-1]) - kv.internal_total)
-    return k, owned_steps, internal_steps
-
-
-def _growth_one_block_each(engine: EngineState, j0: np.ndarray, k: int) -> tuple[int, np.ndarray, np.ndarray]:
-    """:func:`jump_growth` over at most ``B`` steps, where no row takes a second block:
-    the rows that take one, in exact-mode order (by step, then by request), and the
-    per-step sums in plain ints (a short stretch grows a few rows)."""
-    b, B, kv = engine.batch, engine.block_size, engine.kv
-    owned_total, internal_total = kv.owned_total, kv.internal_total
-    rows = (j0 < k).nonzero()[0]
-    if len(rows) == 0:
-        return k, np.full(k, owned_total, dtype=np.int64), np.full(k, internal_total, dtype=np.int64)
-    step = j0[rows]
-    free_blocks = (kv.capacity - kv.physical) // B
-    if len(rows) > free_blocks:
-        # The first step whose blocks are not all free: the one the (free + 1)-th block
-        # in step order falls in. The stretch stops before it.
-        k = int(np.sort(step)[free_blocks])
-        if k == 0:
-            return 0, step[:0], step[:0]
-        keep = step < k
-        rows, step = rows[keep], step[keep]
-    order = np.lexsort((b.req[rows], step))
-    rows, step = rows[order], step[order]
-    _, seqs, _, owned, requested, finals = b.columns(rows)
-    blocks, internal = [0] * k, [0] * k
-    for j, held, final in zip(step.tolist(), owned, finals, strict=True):
-        blocks[j] += 1
-        if held + B > final:  # the new block's tail is never filled: internal fragmentation
-            internal[j] += held + B - final - (held - final if held > final else 0)
-    asked = [held + 1 - had for held, had in zip(owned, requested, strict=True)]
-    if not kv.extend_all(seqs, asked):
-        raise AssertionError("paged growth failed inside a stretch that had room for it")
-    b.requested[rows] = [held + 1 for held in owned]
-    b.owned[rows] = [held + B for held in owned]
-    owned_steps, internal_steps = [], []
-    for j in range(k):
-        owned_total += B * blocks[j]
-        internal_total += internal[j]
-        owned_steps.append(owned_total)
-        internal_steps.append(internal_total)
-    kv.moved(owned_total - kv.owned_total, internal_total - kv.internal_total)
-    return k, np.array(owned_steps, dtype=np.int64), np.array(internal_steps, dtype=np.int64)

@@ -280,6 +280,7 @@ class SharedDeviceBackend(DeviceBackend):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.allocator.log_copies = True  # the allocator says which blocks it copied
         self.ref = torch.zeros(self.pool.num_slots, dtype=torch.int64, device=self.pool.device)
         self._seqs: dict[int, _Shared] = {}
         # copies waiting for their source: (sequence, its epoch, src slot, dst slot, positions)
@@ -315,9 +316,9 @@ class SharedDeviceBackend(DeviceBackend):
         ids = torch.full((max(0, end - start),), seq, dtype=torch.int64)
         if start < prompt:
             ids[: min(end, prompt) - start] = req
-            if engine.prefix is not None:
+            if engine.kv.prefix is not None:
                 B = self.allocator.block_size
-                keys = engine.prefix.keys(req, prompt)
+                keys = engine.kv.prefix.keys(req, prompt)
                 for q in range(start, min(end, len(keys) * B)):
                     key = keys[q // B]
                     ids[q - start] = self._content_ids.setdefault(key, 1_000_000 + len(self._content_ids))

@@ -278,7 +278,7 @@ class HybridDeviceBackend:
                     f"({row.label}, layer {layer}) differs from the reference by {err:.3g} (tolerance {tol})")
 
     def _compare_split(self, engine: Any, running: int) -> None:
-        simulated = np.asarray(engine.kv.current_split(), dtype=np.int64)
+        simulated = np.asarray(engine.kv.current_split(engine), dtype=np.int64)
         measured = self.pool.measure().cpu().numpy()
         self.records.append(HybridStepRecord(self._step, engine.now, simulated, measured, running))
         if not np.array_equal(simulated, measured):

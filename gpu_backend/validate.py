@@ -107,16 +107,17 @@ def run_validation(spec: RunSpec, allocator: str, *, device: str = "cpu", shape:
         trace = slice_trace(trace, offset=offset)
     trace = scaled_trace(trace, scale)
     engine = make_engine(trace, allocator, spec)
-    pool = KVPool(shape.num_layers, engine.alloc.capacity, shape.num_kv_heads, shape.head_dim,
+    alloc = engine.kv.alloc  # type: ignore[attr-defined]
+    pool = KVPool(shape.num_layers, alloc.capacity, shape.num_kv_heads, shape.head_dim,
                   dtype=getattr(torch, shape.dtype), device=device)
     layers = tuple(sorted({0, shape.num_layers - 1}))
     # A sharing run (samples, beams, prefix caching) has several holders per block.
-    backend_class = SharedDeviceBackend if hasattr(engine, "fork_log") else DeviceBackend
-    backend = backend_class(pool, engine.alloc, shape.num_q_heads, attention_every=attention_every,
+    backend_class = SharedDeviceBackend if engine.kv.shares else DeviceBackend  # type: ignore[attr-defined]
+    backend = backend_class(pool, alloc, shape.num_q_heads, attention_every=attention_every,
                             attention_layers=layers, corrupt=corrupt)
     error, wall = _replay(engine, backend)
-    return ValidationReport(allocator, device, len(trace), engine.alloc.capacity, len(backend.records),
-                            _table(backend.records, engine.alloc.capacity), backend.attention_checks,
+    return ValidationReport(allocator, device, len(trace), alloc.capacity, len(backend.records),
+                            _table(backend.records, alloc.capacity), backend.attention_checks,
                             backend.content_checks, backend.max_abs_error, error, wall)
 
 
@@ -250,7 +251,7 @@ def run_hybrid_validation(spec: RunSpec, allocator: str, *, device: str = "cpu",
         trace = slice_trace(trace, offset=offset)
     trace = scaled_trace(trace, scale)
     engine = make_engine(trace, allocator, spec, model_gpu=(mini, gpu))
-    manager: Any = engine.alloc
+    manager: Any = engine.kv.manager  # type: ignore[attr-defined]
     pool = HybridPool(layout_of(manager, mini, spec.tp), dtype=dtype, device=device)
     backend = HybridDeviceBackend(pool, manager, shape.q_per_kv, attention_every=attention_every,
                                   corrupt=corrupt)

@@ -391,7 +391,11 @@ def test_paged_extend_many_is_the_extends_one_by_one(block_size: int, prompts: l
     seqs = [live[i % len(live)] for i, _ in grows]
     slots = [n for _, n in grows]
     before = ({s: batched.placement(s) for s in live}, batched.free_block_ids())
-    result = batched.extend_many(seqs, slots)
+    totals, requested = [], {s: batched.num_requested(s) for s in live}
+    for s, n in zip(seqs, slots, strict=True):
+        requested[s] += n
+        totals.append(requested[s])
+    result = batched.extend_many(seqs, totals)
     owned_after: list[int] = []
     ok = True
     for s, n in zip(seqs, slots, strict=True):

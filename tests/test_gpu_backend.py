@@ -42,7 +42,7 @@ def test_corrupted_block_table_is_caught() -> None:
         if done or len(live) < 2:
             return
         done.append(backend._step)
-        alloc = engine.alloc
+        alloc = engine.kv.alloc
         a, b = live[0], live[1]
         stolen = alloc.placement(b).block_ids[0]
         table = alloc.placement(a)

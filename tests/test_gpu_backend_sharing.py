@@ -63,12 +63,11 @@ def test_a_lost_copy_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
 def replay(trace: Any, capacity: int, **config: Any) -> tuple[SharedDeviceBackend, Any]:
     """A hand-made trace on the device (exact steps, 4-slot blocks, fixed 0.1 s steps)."""
     from fragsim.costmodel import FixedCostModel
-    from fragsim.engine import EngineConfig
-    from fragsim.sharing import SharingEngine
+    from fragsim.engine import Engine, EngineConfig
     from gpu_backend.pool import KVPool
 
     alloc = SharedPagedAllocator(capacity, block_size=4)
-    engine = SharingEngine(trace, alloc, FixedCostModel(0.1), EngineConfig(exact_steps=True, **config))
+    engine = Engine(trace, alloc, FixedCostModel(0.1), EngineConfig(exact_steps=True, **config))
     pool = KVPool(SHAPE.num_layers, alloc.capacity, SHAPE.num_kv_heads, SHAPE.head_dim,
                   dtype=torch.float32)
     backend = SharedDeviceBackend(pool, alloc, SHAPE.num_q_heads, attention_layers=(0, 1))

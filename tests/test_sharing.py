@@ -20,9 +20,9 @@ from fragsim.cli import main as cli_main
 from fragsim.costmodel import FixedCostModel
 from fragsim.engine import Engine, EngineConfig
 from fragsim.errors import FragsimError
-from fragsim.sharing import SharingEngine
-from fragsim.simulate import RunSpec, load_workload, simulate
+from fragsim.simulate import RunSpec, load_workload, make_engine, simulate, summarize
 from fragsim.traces import Trace, load_trace, slice_trace
+from oracles import dense_split_by_slot
 
 
 def make_trace(arrival: list[float], prompt: list[int], output: list[int],
@@ -31,10 +31,13 @@ def make_trace(arrival: list[float], prompt: list[int], output: list[int],
                  block_hashes=hashes, block_hash_size=hash_size)
 
 
-def sharing_engine(trace: Trace, capacity: int, block_size: int = 4, **config: Any) -> SharingEngine:
+def sharing_engine(trace: Trace, capacity: int, block_size: int = 4, **config: Any) -> Engine:
+    """The engine over a forking paged allocator, its split checked slot by slot every step."""
     alloc = SharedPagedAllocator(capacity, block_size=block_size)
     alloc.log_copies = True
-    return SharingEngine(trace, alloc, FixedCostModel(0.1), EngineConfig(check=True, **config))
+    engine = Engine(trace, alloc, FixedCostModel(0.1), EngineConfig(check=True, **config))
+    engine.checks.append(dense_split_by_slot)
+    return engine
 
 
 def first_beam_wins(num_beams: int, width: int = 2) -> np.ndarray:
@@ -67,10 +70,10 @@ def test_two_samples_by_hand() -> None:
     assert means["internal_fragmentation"] == pytest.approx(6 / 3)
     assert means["free"] == pytest.approx(64 - (12 + 12 + 20) / 3)
     assert engine.rec.mean_shared() == pytest.approx(4)
-    assert engine.alloc.take_copies() == [(1, 2)]
+    assert engine.kv.alloc.take_copies() == [(1, 2)]
     np.testing.assert_allclose(engine.first_token, [0.1])
     np.testing.assert_allclose(engine.finish, [0.3])
-    assert engine.alloc.num_free() == 64
+    assert engine.kv.alloc.num_free() == 64
 
 
 def test_beam_search_by_hand() -> None:
@@ -86,7 +89,7 @@ def test_beam_search_by_hand() -> None:
             block 6 (the queue's head).  tokens 18 − 8 = 10, physical 16, internal 4
     """
     engine = sharing_engine(make_trace([0.0], [6], [4]), 16 * 4, beam_width=2)
-    engine._token_logprobs = first_beam_wins  # type: ignore[method-assign]
+    engine.beams.token_logprobs = first_beam_wins  # type: ignore[method-assign,union-attr]
     engine.run()
     means = engine.rec.means()
     assert engine.rec.span_s == pytest.approx(0.4)
@@ -94,7 +97,7 @@ def test_beam_search_by_hand() -> None:
     assert means["internal_fragmentation"] == pytest.approx((0 + 0 + 4 + 4) / 4)
     assert means["reservation"] == pytest.approx((12 + 2 + 4 + 2) / 4)
     assert engine.rec.mean_shared() == pytest.approx((4 + 4 + 8 + 8) / 4)
-    assert engine.alloc.take_copies() == [(1, 2), (1, 3), (4, 6)]
+    assert engine.kv.alloc.take_copies() == [(1, 2), (1, 3), (4, 6)]
     np.testing.assert_allclose(engine.finish, [0.4])
 
 
@@ -129,8 +132,8 @@ def test_sharing_machinery_without_sharing_is_the_plain_engine() -> None:
     spec = RunSpec(trace="azure-conv", num_requests=150)
     trace = load_workload(spec)
     runs = []
-    for engine_cls, alloc in ((Engine, create("vllm", 3000)), (SharingEngine, SharedPagedAllocator(3000))):
-        engine = engine_cls(trace, alloc, FixedCostModel(0.02), EngineConfig(check=True)).run()
+    for alloc in (create("vllm", 3000), SharedPagedAllocator(3000)):
+        engine = Engine(trace, alloc, FixedCostModel(0.02), EngineConfig(check=True)).run()
         assert engine.rec.counters.num_preemptions > 0
         runs.append((engine.rec.means(), engine.rec.counters.to_dict(), engine.finish.tolist(),
                      engine.num_prefill_tokens))
@@ -173,16 +176,18 @@ def assert_same_summary(fast: dict[str, Any], exact: dict[str, Any]) -> None:
 def test_sharing_stretches_match_exact_steps(trace_name: str, options: dict[str, Any]) -> None:
     spec = RunSpec(trace=trace_name, **options)
     trace = load_workload(spec)
-    fast = simulate(trace, "vllm", spec, check=True)
+    engine = make_engine(trace, "vllm", spec, check=True)
+    engine.checks.append(dense_split_by_slot)
+    fast = summarize(engine.run(), "vllm", 0.0, engine.cfg.kv_bytes_per_token)
     exact = simulate(trace, "vllm", RunSpec(trace=trace_name, exact_steps=True, **options))
-    assert_same_summary(fast.summary, exact.summary)
+    assert_same_summary(fast[0], exact.summary)
     for column in ("first_token_s", "finish_s", "num_preemptions"):
-        np.testing.assert_array_equal(fast.requests[column], exact.requests[column], err_msg=column)
+        np.testing.assert_array_equal(fast[1][column], exact.requests[column], err_msg=column)
     if options.get("beam_width", 1) == 1:
         # stretches ran (beam search is the documented step-by-step fallback)
-        assert fast.summary["num_events"] < exact.summary["num_events"]
+        assert fast[0]["num_events"] < exact.summary["num_events"]
     else:
-        assert fast.summary["num_events"] == exact.summary["num_events"]
+        assert fast[0]["num_events"] == exact.summary["num_events"]
 
 
 # ----------------------------------------------------------------- figures
@@ -226,7 +231,7 @@ def test_next_token_draws_are_sorted_distributions_with_the_right_confidence() -
     top = {}
     for theta in (0.03, 0.2, 1.0):
         engine = sharing_engine(make_trace([0.0], [4], [4]), 64, beam_width=4, beam_theta=theta)
-        log_p = engine._token_logprobs(40_000)
+        log_p = engine.beams.token_logprobs(40_000)  # type: ignore[union-attr]
         assert log_p.shape == (40_000, 4)
         assert bool(np.all(np.diff(log_p, axis=1) <= 0))
         assert bool(np.all(np.exp(log_p).sum(axis=1) <= 1 + 1e-12))
@@ -243,10 +248,10 @@ def test_beams_survive_by_score() -> None:
     engine = sharing_engine(make_trace([0.0], [6], [2]), 16 * 8, beam_width=2)
     engine.fork_log = []
     draws = iter([np.array([[0.0, -1.0]]), np.array([[-2.0, -3.0], [-0.1, -0.2]])])
-    engine._token_logprobs = lambda num_beams: next(draws)  # type: ignore[method-assign]
+    engine.beams.token_logprobs = lambda num_beams: next(draws)  # type: ignore[method-assign,union-attr]
     engine.run()
     assert engine.fork_log == [(0, 1, 6), (1, 2, 7)]
-    assert engine._score == {}  # every beam finished and was forgotten
+    assert engine.beams.scores == {}  # type: ignore[union-attr]  # every beam finished and was forgotten
     np.testing.assert_allclose(engine.finish, [0.2])
 
 
@@ -306,7 +311,7 @@ def test_prefix_hits_on_mooncake_match_an_independent_count(shared_traces: Path)
     assert hits > 0
     alloc = SharedPagedAllocator(64 * 32768, block_size=B, max_seq_len=32768)
     config = EngineConfig(max_seq_len=32768, prefix_caching=True)
-    engine = SharingEngine(trace, alloc, FixedCostModel(0.01), config).run()
+    engine = Engine(trace, alloc, FixedCostModel(0.01), config).run()
     assert (engine.num_prefix_queries, engine.num_prefix_hits) == (queries, hits)
     assert alloc.num_evictions == 0
 
@@ -340,8 +345,8 @@ def test_sharing_refuses_what_it_cannot_do(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(ValueError, match="more than max_num_seqs"):
         EngineConfig(beam_width=8, max_num_seqs=4)
     with pytest.raises(ValueError, match="can fork"):
-        SharingEngine(make_trace([0.0], [4], [4]), create("vllm", 64), FixedCostModel(0.1),
-                      EngineConfig(num_samples=2))
+        Engine(make_trace([0.0], [4], [4]), create("vllm", 64), FixedCostModel(0.1),
+               EngineConfig(num_samples=2))
     assert cli_main(["run", "--allocator", "vattention", "--num-requests", "10", "--prefix-caching",
                      "--no-save"]) == 2
     assert "cannot share blocks" in capsys.readouterr().err

@@ -34,9 +34,10 @@ calls every step, builds the table once per change and caches it in the entry.
 What a sequence owns is ``ceil(requested / block_size)`` whole blocks, whichever
 form its ids take.
 
-:meth:`PagedAllocator.extend_many` extends many sequences in one call, all or
-none: the engine grows every decoding sequence that needs a block each step, and
-one call that checks the free count once costs a fraction of one ``extend`` each.
+:meth:`PagedAllocator.extend_many` grows many sequences to their new lengths in one
+call, all or none: the engine grows every decoding sequence that needs a block each
+step, and one call that checks the free count once costs a fraction of one
+``extend`` each.
 It hands out blocks in exactly the order the same ``extend`` calls one by one would.
 """
 
@@ -139,37 +140,36 @@ class PagedAllocator(AllocatorCore):
         entry[0] = total
         return True
 
-    def extend_many(self, seq_ids: Sequence[int], num_slots: Sequence[int]) -> list[int] | None:
-        """``extend(seq_ids[i], num_slots[i])`` for every ``i`` in order, all of them or none.
+    def extend_many(self, seq_ids: Sequence[int], totals: Sequence[int]) -> list[int] | None:
+        """Raise each ``seq_ids[i]``'s requested slots to ``totals[i]``, in order, all of
+        them or none (``extend(seq, totals[i] − requested)`` one by one).
 
-        Returns the slots each sequence owns right after its own extend, or None, with
+        Returns the slots each sequence owns right after its own growth, or None, with
         nothing changed, when the free blocks do not cover them all (the extends one by
         one would then fail at some point). A sequence may be named more than once.
         """
         if not self._own_extend:
-            return self._extend_each(seq_ids, num_slots)
+            return self._extend_each(seq_ids, totals)
         seqs, block_size = self._seqs, self.block_size
         queue, head = self._queue, self._head
         free_end = len(queue)
         owned: list[int] = []
-        for seq_id, n in zip(seq_ids, num_slots, strict=True):
+        undo: list[tuple[list, int, int]] = []  # (entry, requested before, blocks it took)
+        for seq_id, total in zip(seq_ids, totals, strict=True):
             entry = seqs.get(seq_id)
-            if entry is None or n < 1:
+            requested = entry[0] if entry is not None else 0
+            if entry is None or total <= requested:
                 self._head = head
-                done = len(owned)  # the extends that ran
-                self._undo(seq_ids[:done], num_slots[:done])
+                self._undo(undo)
                 if entry is None:
                     raise ValueError(f"extend of unknown sequence {seq_id}")
-                raise ValueError(f"num_slots must be >= 1, got {n}")
-            requested = entry[0]
-            total = requested + n
+                raise ValueError(f"num_slots must be >= 1, got {total - requested}")
             blocks = -(-total // block_size)
             missing = blocks + (-requested // block_size)
             if missing > 0:
                 if head + missing > free_end:
                     self._head = head
-                    done = len(owned)
-                    self._undo(seq_ids[:done], num_slots[:done])
+                    self._undo(undo)
                     return None
                 ids = entry[1]
                 if type(ids) is not list:
@@ -179,39 +179,35 @@ class PagedAllocator(AllocatorCore):
                 else:
                     ids += queue[head : head + missing]
                 head += missing
+            undo.append((entry, requested, missing if missing > 0 else 0))
             entry[0] = total
             owned.append(blocks * block_size)
         self._head = head
         return owned
 
-    def _undo(self, seq_ids: Sequence[int], num_slots: Sequence[int]) -> None:
-        """Take back extends that ran, last first: their blocks return to the head."""
-        block_size = self.block_size
-        for seq_id, n in zip(reversed(seq_ids), reversed(num_slots), strict=True):
-            entry = self._seqs[seq_id]
-            total = entry[0]
-            requested = total - n
-            extra = -(-total // block_size) + (-requested // block_size)
-            if extra:
-                del entry[1][-extra:]  # a list: the extend that took them made it one
-                self._head -= extra
+    def _undo(self, done: list[tuple[list, int, int]]) -> None:
+        """Take back growth that ran, last first: its blocks return to the head."""
+        for entry, requested, taken in reversed(done):
+            if taken:
+                del entry[1][-taken:]  # a list: the growth that took them made it one
+                self._head -= taken
             entry[0] = requested
 
-    def _extend_each(self, seq_ids: Sequence[int], num_slots: Sequence[int]) -> list[int] | None:
+    def _extend_each(self, seq_ids: Sequence[int], totals: Sequence[int]) -> list[int] | None:
         """extend_many through a subclass's own extend (its checks kept): the blocks are
         counted first, so that none of the extends can fail once they start."""
         block_size = self.block_size
-        after: dict[int, int] = {}  # requested by each sequence once its extends so far ran
+        after: dict[int, int] = {}  # requested by each sequence once its growth so far ran
         need = 0
-        for seq_id, n in zip(seq_ids, num_slots, strict=True):
+        for seq_id, total in zip(seq_ids, totals, strict=True):
             requested = after.get(seq_id, self.num_requested(seq_id))
-            after[seq_id] = requested + n
-            need += -(-(requested + n) // block_size) + (-requested // block_size)
+            after[seq_id] = total
+            need += -(-total // block_size) + (-requested // block_size)
         if need > len(self._queue) - self._head:
             return None
         owned = []
-        for seq_id, n in zip(seq_ids, num_slots, strict=True):
-            if not self.extend(seq_id, n):
+        for seq_id, total in zip(seq_ids, totals, strict=True):
+            if not self.extend(seq_id, total - self.num_requested(seq_id)):
                 raise AssertionError(f"extend of {seq_id} failed with its blocks free")
             owned.append(self.num_owned(seq_id))
         return owned

@@ -296,6 +296,15 @@ class SharedPagedAllocator(AllocatorCore):
         self.placement(seq_id)
         return self._requested[seq_id]
 
+    def room(self, seq_id: int) -> int:
+        """Slots the sequence can fill before it must extend again: what it owns, or
+        only what it asked for while its last block is shared (the next position
+        copies the block first)."""
+        ids = self.placement(seq_id).block_ids
+        if ids and self._ref[ids[-1]] > 1:
+            return self._requested[seq_id]
+        return len(ids) * self.block_size
+
     def seq_ids(self) -> list[int]:
         return list(self._requested)
 

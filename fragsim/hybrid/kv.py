@@ -1,21 +1,13 @@
-"""The engine's KV manager over a hybrid manager: :class:`fragsim.kv_manager.DenseKV`'s
-interface, with the split in bytes per row and category from the manager itself.
-
-A hybrid manager knows what every sequence holds from its length alone (blocks per
-row, window frees, states), so there are no running totals to keep: ``take`` and
-``moved`` do nothing, and every record asks the manager for the split of the
-sequences live now (``live``: their ids and computed lengths). Each record goes to
-the engine's :class:`~fragsim.metrics.Recorder` (pool-wide bytes: token states,
-reservation, everything else held, free) and to the :class:`SplitRecorder` beside
-it (every row and category).
-"""
+"""The engine's KV manager over a hybrid manager (transitional adapter)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from fragsim.engine_config import EngineConfig
 from fragsim.hybrid.base import (
     CATEGORIES,
     FREE,
@@ -27,127 +19,202 @@ from fragsim.hybrid.base import (
     kind_of_rows,
 )
 from fragsim.hybrid.split import SplitRecorder
+from fragsim.kv.protocol import Admitted, Hit, LiveView, Rows, StretchMemory
 from fragsim.metrics import Recorder
+from fragsim.prefix import PrefixKeys
 
 HELD_ELSEWHERE = [INTERNAL, PADDING, OUT_OF_WINDOW]
 RESERVATION = CATEGORIES.index("reservation")
 
 
-class HybridKV:
-    """A hybrid manager behind the engine's KV-manager interface (bytes, not slots)."""
+class HybridPrefix:
+    def __init__(self, manager: Any, keys: PrefixKeys) -> None:
+        self.m, self._keys = manager, keys
+        self.queries = 0
+        self.by_kind: dict[str, int] = {}
 
-    # No slot totals: the manager's split is in bytes, and a shared block counts once in it.
-    owned_total = internal_total = shared_total = physical = 0
+    def keys(self, req: int, prompt_len: int) -> list[int]:
+        return self._keys.keys(req, prompt_len)
+
+    def lookup(self, req: int, prompt_len: int, context: int) -> Hit:
+        hit = self.m.lookup(self._keys.keys(req, prompt_len), context - 1)
+        return Hit(hit.tokens, hit)
+
+    def count(self, hit: Hit, context: int) -> None:
+        self.queries += context
+        for kind, tokens in hit.detail.by_kind.items():
+            self.by_kind[kind] = self.by_kind.get(kind, 0) + tokens
+
+    def cache(self, req: int, prompt_len: int, computed: int) -> None:
+        blocks = min(computed, prompt_len) // self.m.block_size
+        if blocks:
+            self.m.cache_blocks(req, self._keys.keys(req, prompt_len)[:blocks])
+
+    def forget(self, req: int) -> None:
+        self._keys.forget(req)
+
+    def summary(self) -> dict[str, Any]:
+        q = self.queries
+        return {kind: {"prefix_cache_hit_rate": hits / q if q else 0.0} for kind, hits in self.by_kind.items()}
+
+
+class HybridKV:
+    """A hybrid manager behind the engine's KV-manager protocol (bytes)."""
+
+    unit = "bytes"
+    grows_on_demand = True
+    shared_slots = 0
+    free_probe = None
+    backs_off = True
 
     def __init__(self, manager: HybridManager, resolution_s: float | None,
-                 live: Callable[[], tuple[np.ndarray, np.ndarray]],
-                 computed: Callable[[], np.ndarray] | None = None) -> None:
+                 prefix_keys: PrefixKeys | None = None) -> None:
         self.alloc = manager
         self.manager = manager
+        self.name = manager.name
         self.capacity = int(manager.capacity)
-        self.live = live
-        #: the computed lengths alone (``live``'s second half), read where the split needs them
-        self.computed = computed or (lambda: live()[1])
-        # A manager that keeps the base split records, each step, the few sums the split
-        # is linear in (the totals are summed in plain ints); one that adjusts the split is
-        # asked for its array.
+        self.block_size = manager.block_size
+        self.prefix = HybridPrefix(manager, prefix_keys) if prefix_keys is not None else None
+        self._finals = np.zeros(0, dtype=np.int64)
         self._basis = manager._basis if type(manager).split is HybridManager.split else None
-        self._allocate = manager._allocate if type(manager).allocate is HybridManager.allocate else None
-        self._extend_owned = manager._extend_owned if type(manager).extend is HybridManager.extend else None
-        # Every free byte allocatable (the largest allocatable is the free column): the
-        # recorder's stretch path then knows the fragmentation ratio is 0 without dividing.
         self._largest_is_free = type(manager).largest_allocatable is HybridManager.largest_allocatable
         self.split_rec = SplitRecorder(manager.labels, kind_of_rows(manager.rows), manager.capacity,
                                        resolution_s, manager.split_basis() if self._basis is not None else None)
 
-    # -------------------------------------------------------------- the totals
+    def validate(self, config: EngineConfig) -> None:
+        if config.num_samples > 1 or config.beam_width > 1:
+            raise ValueError("block sharing (samples, beams) is not modelled for "
+                             "the hybrid KV managers yet")
+        if config.prefix_caching and self.prefix is None:
+            raise ValueError(f"prefix caching is modelled for vllm-hybrid only, not {self.name}")
+        if config.preemption != "recompute":
+            raise ValueError("the hybrid KV managers preempt by recompute only (--preemption recompute)")
+        if config.batching != "continuous":
+            raise ValueError("the hybrid KV managers need continuous batching")
 
-    def take(self, final: int, owned: int, delta: int = 1) -> None:
-        """Nothing to keep: the manager's split comes from the sequences' lengths."""
+    def fits_alone(self, prompt: np.ndarray, output: np.ndarray, width: int) -> np.ndarray:
+        final = prompt + output
+        fits = {int(n): self.manager.fits_empty(int(n)) for n in np.unique(final).tolist()}
+        return np.array([fits[int(x)] for x in final], dtype=bool)
 
-    def moved(self, d_owned: int, d_internal: int) -> None:
-        """Nothing to keep (see :meth:`take`)."""
+    def admission_tokens(self, prompt: int, output: int, context: int) -> int:
+        return context + 1
 
-    def refresh_shared(self) -> None:
-        """Nothing to keep (see :meth:`take`)."""
+    def _bind(self, seq: int, final: int) -> None:
+        if seq >= len(self._finals):
+            grown = np.zeros(max(seq + 1, 2 * len(self._finals), 64), dtype=np.int64)
+            grown[: len(self._finals)] = self._finals
+            self._finals = grown
+            self.manager.bind_finals(grown)
+        self._finals[seq] = final
 
-    # ------------------------------------------------------- what sequences hold
-
-    def admit(self, seq: int, need: int, final: int) -> int | None:
-        if self._allocate is not None:
-            if not self._allocate(seq, need):
+    def admit(self, seqs: Sequence[int], tokens: int, final: int, prompt: int,
+              hit: Hit | None) -> Admitted | None:
+        (seq,) = seqs
+        self._bind(seq, final)
+        m = self.manager
+        if hit is not None:
+            if m.allocate(seq, tokens, hit.detail, prompt) is None:  # type: ignore[call-arg]
                 return None
-        elif self.manager.allocate(seq, need) is None:
+            assert self.prefix is not None
+            self.prefix.count(hit, tokens - 1)
+        elif not m._allocate(seq, tokens):
             return None
+        return Admitted((m.num_owned(seq),))
+
+    def blocked_by_fragmentation(self, tokens: int) -> bool:
+        return self.manager.num_free() >= self.manager.rounded(tokens)
+
+    def room(self, seq: int) -> int:
         return self.manager.num_owned(seq)
 
-    def release(self, seq: int, owned: int, final: int) -> None:
-        self.manager.free(seq)
-
-    def grow(self, seq: int, delta: int, old: int, final: int) -> int | None:
-        if self._extend_owned is not None:
-            return self._extend_owned(seq, delta)
-        if not self.manager.extend(seq, delta):
+    def grow(self, seq: int, target: int) -> int | None:
+        m = self.manager
+        if type(m).extend is HybridManager.extend:
+            return m._extend_owned(seq, target - m.num_requested(seq))
+        if not m.extend(seq, target - m.num_requested(seq)):
             return None
-        return self.manager.num_owned(seq)
+        return m.num_owned(seq)
 
-    def grow_many(self, seqs: list[int], deltas: list[int], old: Sequence[int],
+    def grow_many(self, seqs: list[int], targets: list[int], rooms: Sequence[int],
                   finals: Sequence[int]) -> list[int] | None:
-        """None: the hybrid engine grows its batch by target lengths itself."""
-        return None
+        return self.manager.grow_many(np.array(seqs, dtype=np.int64), np.array(targets, dtype=np.int64))
 
-    def extend_all(self, seqs: list[int], deltas: list[int]) -> bool:
-        extend = self.manager.extend
-        return all(extend(seq, n) for seq, n in zip(seqs, deltas, strict=True))
+    def free(self, seq: int) -> int:
+        m = self.manager
+        held = sum(n * r.block_bytes for n, r in zip(m.blocks_held(seq), m.rows, strict=True))
+        m.free(seq)
+        return held
 
-    # ----------------------------------------------------------------- the split
+    def stretch(self, rows: Rows, k: int, head_tokens: int | None, stalled: bool) -> StretchMemory:
+        m = self.manager
+        seqs = rows.seqs.copy()
+        k, splits, largest, used, last = m.stretch(seqs, rows.reqs, rows.filled, k, head_tokens,
+                                                   first_step_first=stalled, owned=rows.rooms)
+        if k <= 0:
+            return StretchMemory(0)
+        rooms = rows.rooms.copy()
+        touched = np.flatnonzero(last >= 0)
+        if len(touched):
+            rooms[touched] = m.owned_many(seqs[touched])
+        return StretchMemory(k, rooms, {"splits": splits, "largest": largest, "used": used})
 
-    def current_split(self) -> np.ndarray:
-        """``[rows + pool, categories]`` bytes of the sequences live now."""
-        seqs, computed = self.live()
-        return self.manager.split(seqs, computed)
+    def current_split(self, live: LiveView) -> np.ndarray:
+        return self.manager.split(live.seqs(), live.computed())
 
-    def record(self, rec: Recorder, now: float, dt: float, token_states: int, running: int,
-               waiting: int) -> None:
-        """The split held for ``dt`` from ``now``, from the manager (``token_states``: the
-        engine's count of computed tokens, Σ of what ``live`` says; the manager counts bytes)."""
+    def record(self, rec: Recorder, now: float, dt: float, stored: int, live: LiveView,
+               running: int, waiting: int) -> None:
         m = self.manager
         if self._basis is None:
-            split = self.current_split()
+            split = self.current_split(live)
             free = int(split[:, FREE].sum())
             rec.record(now, dt, int(split[:, TOKEN].sum()), m.capacity - free,
                        int(split[:, HELD_ELSEWHERE].sum()), m.largest_allocatable(), running, waiting)
             self.split_rec.record(now, dt, split, m.num_used_blocks())
             return
-        sums, token, free, elsewhere = self._basis(self.computed() if m.reads_windows else None, token_states)
+        sums, token, free, elsewhere = self._basis(live.computed() if m.reads_windows else None, stored)
         rec.record(now, dt, token, m.capacity - free, elsewhere,
                    free if self._largest_is_free else m.largest_allocatable(), running, waiting)
         self.split_rec.record_sums(now, dt, sums, m.num_used_blocks())
 
-    def record_steps(self, rec: Recorder, now: float, dts: np.ndarray, splits: np.ndarray,
-                     largest: np.ndarray, used: np.ndarray, running: int, waiting: np.ndarray) -> None:
-        """A stretch's splits, ``[steps, rows + pool, categories]``, step by step."""
-        per_category = splits.sum(axis=1)                    # [steps, categories], exact in ints
+    def record_steps(self, rec: Recorder, memory: StretchMemory, now: float, dts: np.ndarray,
+                     stored: np.ndarray, running: int, waiting: np.ndarray) -> None:
+        splits, largest, used = (memory.per_step[key] for key in ("splits", "largest", "used"))
+        per_category = splits.sum(axis=1)
         free = per_category[:, FREE]
-        # Every free byte allocatable at every step (None): the ratio is 0 without dividing.
         all_free = self._largest_is_free or bool((largest == free).all())
         rec.record_steps(now, dts, per_category[:, TOKEN], self.manager.capacity - free,
                          per_category[:, INTERNAL] + per_category[:, PADDING] + per_category[:, OUT_OF_WINDOW],
                          None if all_free else largest, running, waiting)
         self.split_rec.record_steps(now, dts, splits, used, per_category.sum(axis=1))
 
-    def split(self, token_states: int) -> tuple[int, int, int, int]:
-        """(token_states, reservation, everything else held, free) in bytes, now."""
-        split = self.current_split()
+    def split(self, stored: int, live: LiveView) -> tuple[int, int, int, int]:
+        split = self.current_split(live)
         return (int(split[:, TOKEN].sum()), int(split[:, RESERVATION].sum()),
                 int(split[:, HELD_ELSEWHERE].sum()), int(split[:, FREE].sum()))
 
-    def check(self, owned: int, internal: int) -> None:
-        """The fast split against one rebuilt from every sequence's blocks, and the
-        manager's own invariants (``owned`` and ``internal``, slot totals, do not apply)."""
+    def check(self, live: LiveView) -> None:
         m = self.manager
-        seqs, computed = self.live()
+        seqs, computed = live.seqs(), live.computed()
         fast, slow = m.split(seqs, computed), m.split_slow(seqs, computed)
         assert (fast == slow).all(), f"split drifted:\n{fast}\n!=\n{slow}"
         assert int(fast.sum()) == m.capacity
         m.check()
+
+    def summary(self) -> dict[str, Any]:
+        if self.prefix is not None:
+            self.split_rec.extra_by_kind = self.prefix.summary()
+        return {**self.split_rec.summary(),
+                "num_prefix_cache_evictions": int(getattr(self.manager, "num_evictions", 0))}
+
+    def timeseries(self) -> dict[str, np.ndarray]:
+        return self.split_rec.timeseries()
+
+    def sample_units(self, filled: dict[int, int]) -> np.ndarray:
+        return self.manager.unit_rows()
+
+    def address_map(self, times: list[float], rows: list[np.ndarray]) -> dict[str, Any]:
+        unit = {"jenga": "large page", "static-partition": "block (pool per kind)",
+                "paged-uniform": "block, then state slot"}.get(self.manager.placement_name, "block")
+        return {"time_s": np.array(times), "row": np.vstack(rows),
+                "kinds": self.manager.unit_kinds, "unit": unit}

@@ -29,7 +29,7 @@ Samples are drawn by rejection (draw both lengths, drop pairs over the cap),
 from a seeded generator, so a seed fixes the whole workload.
 
 Each workload also carries ``beam_theta``, the next-token concentration θ of the
-beam-search model (:mod:`fragsim.sharing`), a property of the text a workload
+beam-search model (:mod:`fragsim.beams`), a property of the text a workload
 makes a model write. Neither the paper nor the datasets give it; it is *fitted*
 so that beam search's blocks saved by sharing (``experiments/sharing.toml``'s
 setting, 1,000 requests at 1 req/s, OPT-13B on an A100-40GB; beams are
