@@ -50,7 +50,7 @@ def test_stretches_agree_with_exact_steps(name: str) -> None:
     np.testing.assert_array_equal(fast.first_token, exact.first_token)
     np.testing.assert_array_equal(fast.finish, exact.finish)
     np.testing.assert_array_equal(fast.preemptions, exact.preemptions)
-    np.testing.assert_allclose(fast.split_rec.means(), exact.split_rec.means(), rtol=1e-9, atol=1e-3)
+    np.testing.assert_allclose(fast.kv.split_rec.means(), exact.kv.split_rec.means(), rtol=1e-9, atol=1e-3)
 
 
 def test_vllm_hybrid_on_a_dense_model_is_the_dense_engine() -> None:
@@ -123,7 +123,7 @@ def test_address_map_by_kind(name: str) -> None:
     assert amap is not None and amap["row"].shape[0] == len(amap["time_s"]) > 3
     assert amap["row"].min() >= -1 and amap["row"].max() < len(amap["kinds"])
     assert (amap["row"] >= 0).any(axis=1).sum() > 1        # the pool was in use at some samples
-    m = engine.manager
+    m = engine.kv.manager
     assert (m.unit_rows() == -1).all()                      # all freed at the end
 
 
@@ -141,7 +141,7 @@ def test_jenga_stretches_under_pressure() -> None:
     np.testing.assert_array_equal(fast.first_token, exact.first_token)
     np.testing.assert_array_equal(fast.preemptions, exact.preemptions)
     assert fast.num_steps == exact.num_steps and fast.num_events < exact.num_events
-    np.testing.assert_allclose(fast.split_rec.means(), exact.split_rec.means(), rtol=1e-9, atol=1e-3)
+    np.testing.assert_allclose(fast.kv.split_rec.means(), exact.kv.split_rec.means(), rtol=1e-9, atol=1e-3)
 
 
 @pytest.mark.parametrize("name, model", [("vllm-hybrid", "gemma-3-27b"), ("jenga", "gpt-oss-20b"),
@@ -155,18 +155,18 @@ def test_counts_only_manager_gives_the_same_run(name: str, model: str) -> None:
     spec = _spec(model, 2 * GiB, n=300, rate=10.0, max_num_seqs=16)
     trace = load_workload(spec)
     counts = make_engine(trace, name, spec, check=True)
-    assert not counts.manager.tracks_ids
+    assert not counts.kv.manager.tracks_ids
     counts.run()
     ids = make_engine(trace, name, RunSpec(**{**spec.to_dict(), "address_map": True,
                                               "time_window_s": None}))
-    assert ids.manager.tracks_ids
+    assert ids.kv.manager.tracks_ids
     ids.run()
     np.testing.assert_array_equal(counts.finish, ids.finish)
     np.testing.assert_array_equal(counts.preemptions, ids.preemptions)
-    np.testing.assert_allclose(counts.split_rec.means(), ids.split_rec.means(), rtol=1e-12)
+    np.testing.assert_allclose(counts.kv.split_rec.means(), ids.kv.split_rec.means(), rtol=1e-12)
 
 
 def test_jenga_keeps_ids_when_pages_are_carved() -> None:
     """Gemma 3's small pages are parts of a large page: which page holds what matters."""
     spec = _spec("gemma-3-27b", 2 * GiB, n=10)
-    assert make_engine(load_workload(spec), "jenga", spec).manager.tracks_ids
+    assert make_engine(load_workload(spec), "jenga", spec).kv.manager.tracks_ids

@@ -170,15 +170,15 @@ def test_split_identity_with_shared_blocks(model: str, pool: float) -> None:
     seen: list[int] = []
     split = engine.kv.current_split
 
-    def spy() -> np.ndarray:
-        seen.append(sum(engine.manager.dup))  # type: ignore[attr-defined]
-        return split()
+    def spy(live: object) -> np.ndarray:
+        seen.append(sum(engine.kv.manager.dup))  # type: ignore[attr-defined]
+        return split(live)  # type: ignore[arg-type]
 
     engine.kv.current_split = spy  # type: ignore[method-assign]
     engine.run()
     assert max(seen) > 0
     assert engine.num_prefix_hits > 0
-    assert engine.manager.num_evictions > 0  # type: ignore[attr-defined]
+    assert engine.kv.manager.num_evictions > 0  # type: ignore[attr-defined]
     assert engine.rec.counters.num_preemptions_recompute > 0
 
 
@@ -197,7 +197,7 @@ def test_stretches_make_the_exact_steps_decisions(model: str) -> None:
     np.testing.assert_array_equal(fast.finish, exact.finish)
     np.testing.assert_array_equal(fast.preemptions, exact.preemptions)
     assert fast.num_prefix_hits == exact.num_prefix_hits > 0  # type: ignore[attr-defined]
-    np.testing.assert_allclose(fast.split_rec.means(), exact.split_rec.means(), rtol=1e-9, atol=1e-3)
+    np.testing.assert_allclose(fast.kv.split_rec.means(), exact.kv.split_rec.means(), rtol=1e-9, atol=1e-3)
 
 
 def test_prefix_caching_off_is_the_manager_of_before() -> None:
@@ -209,7 +209,7 @@ def test_prefix_caching_off_is_the_manager_of_before() -> None:
     for model, expected in want.items():
         spec = _spec(model, 0.5, 150)
         engine = make_engine(load_workload(spec), "vllm-hybrid", spec)
-        assert type(engine.alloc) is VllmHybridManager
+        assert type(engine.kv.manager) is VllmHybridManager
         s = simulate(load_workload(spec), "vllm-hybrid", spec).summary
         got = (s["num_steps"], s["num_prefill_tokens"], s["mean_ttft_s"], s["mean_token_states_bytes"],
                s["num_preemptions_recompute"])
