@@ -30,9 +30,14 @@ first row completes (``final − offset`` is fixed for a row's life). Rows chang
 only through ``add``, ``remove``, ``remove_rows`` and ``clear``: ``offset`` and
 ``final`` are never written in place (``room`` is, by growth),
 and a batch whose ``n`` was set from outside recomputes both sums on first use.
+
+A request joins the batch once its prompt is processed; until then (its prompt
+chunks spread over steps) it is one :class:`Prefill`, whatever its sequences.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -179,3 +184,16 @@ class DecodeBatch:
     def view(self, name: str) -> np.ndarray:
         arr: np.ndarray = getattr(self, name)
         return arr[: self.n]
+
+
+@dataclass(slots=True)
+class Prefill:
+    """A request whose prompt (or, after recompute, prompt + generated) is being processed."""
+
+    req: int
+    target: int                 # tokens to process
+    done: int                   # processed so far; filled == done until the last chunk
+    seqs: tuple[int, ...]       # its sequences, the request's own first
+    rooms: tuple[int, ...]      # their rooms (KV manager)
+    shared: int = 0             # slots its sequences share among themselves
+    cached: int = 0             # leading tokens found in the prefix cache (done started there)

@@ -5,8 +5,9 @@ each beam carries its cumulative log-probability; each decode step, before growt
 every beam proposes its ``w`` most likely next tokens, and the ``w`` best (beam
 score + token log-probability) of the ``w × w`` candidates survive. A beam with no
 surviving candidate is pruned, one with ``c`` of them is forked ``c − 1`` times
-(the engine does both, :meth:`fragsim.engine.Engine`). The first token's ``w`` best
-choices start the beams at the end of the prefill.
+(:meth:`BeamSearch.fork_and_prune` does both in the decode batch and the KV manager,
+each step before growth). The first token's ``w`` best choices start the beams at
+the end of the prefill.
 
 With no language model to ask, each beam's next-token distribution is drawn from a
 Poisson–Dirichlet(θ) law (GEM stick-breaking: stick ``k`` is ``V_k Π_{j<k} (1 −
@@ -25,8 +26,13 @@ group restarts from its prompt and draws anew.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from fragsim.batch import DecodeBatch
+    from fragsim.kv.protocol import KVManager
 
 
 @dataclass(frozen=True)
@@ -93,3 +99,40 @@ class BeamSearch:
                                kept[steady].ravel().tolist(), strict=True))
         return [Survivors(int(group_reqs[k]), group_seqs[k].tolist(), parents[k].tolist(), kept[k].tolist())
                 for k in np.flatnonzero(~steady).tolist()]
+
+    def fork_and_prune(self, batch: DecodeBatch, kv: KVManager, g: int, final: np.ndarray,
+                       next_seq: int, fork_log: list[tuple[int, int, int]] | None) -> int:
+        """Prune and fork every beam group whose survivors are not its own beams, in the
+        decode batch (``g``: its step counter) and the KV manager; returns the next free
+        sequence id. Children take ids from ``next_seq`` on; ``final``: each request's
+        final length; each fork is logged in ``fork_log`` (parent, child, shared
+        positions) unless it is None."""
+        b = batch
+        n = b.n
+        for group in self.step(b.req[:n], b.seq[:n]):
+            picked: list[list[float]] = [[] for _ in group.seqs]
+            for parent, score in zip(group.parents, group.scores, strict=True):
+                picked[parent].append(score)
+            rows = np.flatnonzero(b.req[: b.n] == group.req)
+            rows = rows[np.argsort(b.seq[rows])]
+            end = int(final[group.req])
+            pruned = [i for i in range(len(group.seqs)) if not picked[i]]
+            for i in pruned:  # pruned first: their blocks come free
+                kv.free(group.seqs[i])
+                self.forget(group.seqs[i])
+            for row, seq, scores in zip(rows.tolist(), group.seqs, picked, strict=True):
+                if not scores:
+                    continue
+                self.scores[seq] = scores[0]
+                filled = int(b.offset[row]) + g
+                for child_score in scores[1:]:
+                    child = next_seq
+                    next_seq += 1
+                    room = kv.fork(seq, child, filled)  # type: ignore[attr-defined]
+                    self.scores[child] = child_score
+                    if fork_log is not None:
+                        fork_log.append((seq, child, filled))
+                    b.add(group.req, filled, g, room, end, child)
+                b.room[row] = kv.room(seq)  # its last block may be shared now
+            b.remove_rows(rows[pruned])
+        return next_seq

@@ -22,11 +22,14 @@ A step starts at time ``t`` and lasts the cost model's step time ``dt``.
 
 The engine schedules and keeps time; memory is the KV manager's
 (:mod:`fragsim.kv.protocol`): the engine asks it to admit, grow and free, and it
-records the split. A request decodes one sequence, or ``n`` that share its prompt
-(parallel samples, beam search: :mod:`fragsim.beams` picks the survivors and the
-engine forks and prunes them). Most steps change nothing but lengths:
-:mod:`fragsim.stretch` advances such stretches in one go, and
-:mod:`fragsim.request_batching` holds request-level (``static``) batching.
+records the split. The per-request table (lengths, status, times, refusals) is
+:mod:`fragsim.request_table`'s, who is preempted and how :mod:`fragsim.preemption`'s,
+and what an observer reads :mod:`fragsim.engine_views`'. A request decodes one
+sequence, or ``n`` that share its prompt (parallel samples, beam search:
+:mod:`fragsim.beams` picks the survivors and forks and prunes them, each step before
+growth). Most steps change nothing but lengths: :mod:`fragsim.stretch` advances such
+stretches in one go, and :mod:`fragsim.request_batching` holds request-level
+(``static``) batching.
 """
 
 from __future__ import annotations
@@ -34,65 +37,28 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import simpy
 
-from fragsim import request_batching, stretch
-from fragsim.batch import DecodeBatch
+from fragsim import preemption, request_batching, stretch
+from fragsim.batch import DecodeBatch, Prefill
 from fragsim.beams import BeamSearch
 from fragsim.costmodel import CostModel
 from fragsim.engine_config import EngineConfig
+from fragsim.engine_views import AddressMapSampler, StepObserver, live_sequences
 from fragsim.kv import as_kv_manager
 from fragsim.kv.protocol import KVManager
 from fragsim.metrics import Recorder
-
-# Request status codes in the per-request arrays.
-PENDING, WAITING, RUNNING, SWAPPED, FINISHED, REFUSED = range(6)
-STATUS_NAMES = ["pending", "waiting", "running", "swapped", "finished", "refused"]
-REFUSE_TOO_LONG, REFUSE_TOO_LARGE, REFUSE_TIMEOUT = 1, 2, 3
-REFUSE_REASONS = {0: "", REFUSE_TOO_LONG: "too_long", REFUSE_TOO_LARGE: "too_large",
-                  REFUSE_TIMEOUT: "timeout"}
-BLOCK_FRAG, BLOCK_CAP, BLOCK_BATCH = 1, 2, 4
-_REFUSAL_COUNTER = {REFUSE_TOO_LONG: "num_refused_too_long", REFUSE_TOO_LARGE: "num_refused_too_large",
-                    REFUSE_TIMEOUT: "num_refused_timeout"}
-_BLOCK_COUNTER = {BLOCK_FRAG: "num_blocked_fragmentation", BLOCK_CAP: "num_blocked_capacity",
-                  BLOCK_BATCH: "num_blocked_batch_limit"}
-
-
-class StepObserver(Protocol):
-    """Something that follows the run step by step (the GPU backend, a tracer)."""
-
-    def before_step(self, engine: Engine, dt: float) -> None:
-        """Called once a step's decisions are made, before its time passes."""
-
-    def after_step(self, engine: Engine) -> None:
-        """Called at the end of each step, after growth and completions."""
-
-
-@dataclass(frozen=True)
-class LiveSequence:
-    req: int
-    filled: int      # tokens stored now
-    final: int       # prompt + output
-    decoding: bool
-    seq_id: int      # the KV manager's sequence id (the request's own for its first)
-    cached: int = 0  # leading positions found in the prefix cache at its admission (not its writes)
-
-
-@dataclass(slots=True)
-class Prefill:
-    """A request whose prompt (or, after recompute, prompt + generated) is being processed."""
-
-    req: int
-    target: int                 # tokens to process
-    done: int                   # processed so far; filled == done until the last chunk
-    seqs: tuple[int, ...]       # its sequences, the request's own first
-    rooms: tuple[int, ...]      # their rooms (KV manager)
-    shared: int = 0             # slots its sequences share among themselves
-    cached: int = 0             # leading tokens found in the prefix cache (done started there)
+from fragsim.request_table import (
+    BLOCK_BATCH,
+    BLOCK_CAP,
+    BLOCK_FRAG,
+    FINISHED,
+    RUNNING,
+    RequestTable,
+)
 
 
 class Engine:
@@ -119,26 +85,13 @@ class Engine:
         #: further checks run wherever ``check=True`` checks (tests add oracles here)
         self.checks: list[Callable[[Engine], None]] = []
 
-        self.arrival = np.asarray(trace.arrival_s, dtype=np.float64)
-        self.prompt = np.asarray(trace.prompt_len, dtype=np.int64).copy()
-        self.output = np.asarray(trace.output_len, dtype=np.int64).copy()
-        self.N = N = len(self.arrival)
-        self.status = np.full(N, PENDING, dtype=np.int8)
-        self.refused = np.zeros(N, dtype=np.int8)
-        self.blocked = np.zeros(N, dtype=np.int8)
-        self.generated = np.zeros(N, dtype=np.int64)
-        self.preemptions = np.zeros(N, dtype=np.int32)
-        self.cached = np.zeros(N, dtype=np.int64)  # tokens found cached at its last admission
-        self.first_token = np.full(N, np.nan)
-        self.finish = np.full(N, np.nan)
-        self._classify_requests()
-        self.final = self.prompt + self.output
+        #: the requests, one row each (lengths, status, times); refuses the unservable
+        self.requests = reqs = RequestTable(trace, config, self.kv.fits_alone, self.rec.counters)
 
-        self.now = float(self.arrival[0]) if N else 0.0
+        self.now = float(reqs.arrival[0]) if reqs.N else 0.0
         self.g = 0                      # steps completed
         self.num_steps = 0              # steps simulated (stretched ones included)
         self.num_events = 0             # SimPy timeouts
-        self.next_row = 0               # next trace row to pull
         self.waiting: deque[int] = deque()
         self.prefilling: list[Prefill] = []
         self.swapped: deque[tuple[int, int, int]] = deque()  # (req, filled, slots held in CPU)
@@ -147,38 +100,16 @@ class Engine:
         self.num_prefill_tokens = 0     # prompt tokens computed (prefix-cache hits are not)
         self.num_prefix_queries = 0     # prefix caching: tokens looked up at admission (vLLM: queries)
         self.num_prefix_hits = 0        # of which found cached
-        self.num_done = 0
         self.quiet = False              # the last step left nothing pending (a stretch may follow)
         self.backoff = stretch.Backoff()
         self.static_running = False
-        self._next_seq = N              # sequence ids past the request ids (samples, beams)
+        self._next_seq = reqs.N         # sequence ids past the request ids (samples, beams)
         #: (parent seq, child seq, shared positions) per fork, for an observer; None: not kept
         self.fork_log: list[tuple[int, int, int]] | None = [] if observer is not None else None
-        self._map_next = self.now
-        self._map_times: list[float] = []
-        self._map_rows: list[np.ndarray] = []
+        self.address_sampler = AddressMapSampler(self.kv, config.address_map_interval_s,
+                                                 config.address_map_bins, self.now)
 
-    # ------------------------------------------------------------------ setup
-
-    def _classify_requests(self) -> None:
-        """Refusals that depend only on the request: too long, or too large for the pool."""
-        cfg = self.cfg
-        too_long = self.prompt + self.output > cfg.max_seq_len
-        if cfg.truncate_prompts:
-            fixable = too_long & (self.output < cfg.max_seq_len)
-            self.prompt[fixable] = cfg.max_seq_len - self.output[fixable]
-            self.rec.counters.num_truncated = int(fixable.sum())
-            too_long &= ~fixable
-        fits = self.kv.fits_alone(self.prompt, self.output, self.width) if self.N else too_long
-        too_large = ~too_long & ~fits
-        self.refused[too_long] = REFUSE_TOO_LONG
-        self.refused[too_large] = REFUSE_TOO_LARGE
-        self.servable = ~(too_long | too_large)
-        self.servable_cum = np.concatenate(([0], np.cumsum(self.servable)))
-        # next_servable[i]: first servable row >= i (N if none)
-        idx = np.where(self.servable, np.arange(self.N), self.N)
-        self.next_servable = np.minimum.accumulate(idx[::-1])[::-1] if self.N else idx
-        self.next_servable = np.append(self.next_servable, self.N)
+    # ---------------------------------------------------------- setup, bookkeeping
 
     def attach(self, observer: StepObserver) -> None:
         """Follow the run with ``observer`` (needs exact steps: it must see every step)."""
@@ -187,106 +118,29 @@ class Engine:
         self.observer = observer
         self.fork_log = []
 
-    # --------------------------------------------------------------- bookkeeping
-
     def finish_request(self, req: int) -> None:
-        self.status[req] = FINISHED
-        self.generated[req] = self.output[req]
-        self.finish[req] = self.now
-        self.num_done += 1
+        """``req`` is done now: its row is closed, and the prefix cache forgets it."""
+        reqs = self.requests
+        reqs.finish_at(req, self.now)
         if self.kv.prefix is not None:
             self.kv.prefix.forget(req)
-        if self.progress is not None and self.num_done % 256 == 0:
-            self.progress(self.num_done)
-
-    def _refuse(self, req: int, reason: int) -> None:
-        self.status[req] = REFUSED
-        self.refused[req] = reason
-        # Unservable requests are answered on arrival; a timeout when it is noticed.
-        self.finish[req] = self.now if reason == REFUSE_TIMEOUT else self.arrival[req]
-        self.num_done += 1
-        self.rec.counters.bump(_REFUSAL_COUNTER[reason])
+        if self.progress is not None and reqs.num_done % 256 == 0:
+            self.progress(reqs.num_done)
 
     def pull_arrivals(self) -> None:
-        arrival, now = self.arrival, self.now
-        while self.next_row < self.N and arrival[self.next_row] <= now:
-            req = self.next_row
-            self.next_row += 1
-            if self.servable[req]:
-                self.status[req] = WAITING
-                self.waiting.append(req)
-            else:
-                self._refuse(req, int(self.refused[req]))
+        """Arrivals by now join the queue (requests that can never be served are refused)."""
+        self.requests.arrive(self.now, self.waiting)
 
     def expire_waiting(self) -> None:
+        """Refuse the waiting requests past ``queue_timeout``."""
         timeout = self.cfg.queue_timeout_s
         if timeout is None or not self.waiting:
             return
-        keep: deque[int] = deque()
-        for req in self.waiting:
-            if self.preemptions[req] == 0 and self.now - self.arrival[req] > timeout:
-                self._refuse(req, REFUSE_TIMEOUT)
-            else:
-                keep.append(req)
-        self.waiting = keep
-
-    def _mark_blocked(self, req: int, kind: int) -> None:
-        if self.blocked[req] & kind:
-            return
-        self.blocked[req] |= kind
-        self.rec.counters.bump(_BLOCK_COUNTER[kind])
+        self.waiting = self.requests.expire(self.waiting, self.now, timeout)
 
     def num_running(self) -> int:
         """Sequences running: decoding rows and every sequence of a prefilling request."""
         return self.batch.n + sum(len(p.seqs) for p in self.prefilling)
-
-    # ---------------------------------------------------------------- preemption
-
-    def _preempt_latest(self) -> int:
-        """Preempt the latest-arrived running request, all of its sequences."""
-        b, kv = self.batch, self.kv
-        cand = int(b.req[: b.n].max()) if b.n else -1
-        pre = max(self.prefilling, key=lambda p: p.req) if self.prefilling else None
-        if pre is not None and pre.req > cand:
-            self.cached[pre.req] = 0  # its next placement finds the cache anew
-            self.prefilling.remove(pre)
-            held = sum(kv.free(seq) for seq in pre.seqs)
-            self._requeue(pre.req, 0, held)
-            return pre.req
-        if cand < 0:
-            raise RuntimeError("growth failed with nothing running to preempt")
-        self.cached[cand] = 0
-        rows = np.flatnonzero(b.req[: b.n] == cand)
-        rows = rows[np.argsort(b.seq[rows])]
-        filled = int(b.offset[rows[0]]) + self.g
-        held = 0
-        for seq in b.seq[rows].tolist():
-            held += kv.free(seq)
-            if self.beams is not None:
-                self.beams.forget(seq)  # a group restarts from its prompt
-        b.remove_rows(rows)
-        alone = len(rows) == 1 and self.width == 1
-        if alone:
-            # Recompute re-prefills the prompt and every token generated so far.
-            self.generated[cand] = filled - int(self.prompt[cand])
-        self._requeue(cand, filled if alone else 0, held)  # a group is recomputed, never swapped
-        return cand
-
-    def _requeue(self, req: int, filled: int, held: int) -> None:
-        self.preemptions[req] += 1
-        c = self.rec.counters
-        if (self.cfg.preemption == "swap" and filled > 0
-                and self.swap_used + held <= self.cfg.swap_space_slots):
-            self.swap_used += held
-            self.swapped.append((req, filled, held))
-            self.status[req] = SWAPPED
-            c.num_preemptions_swap += 1
-            self.step_extra += held * self.cfg.kv_bytes_per_token / self.cfg.swap_bandwidth
-        else:
-            self.status[req] = WAITING
-            self.waiting.appendleft(req)
-            c.num_preemptions_recompute += 1
-        self.freed = True
 
     # ---------------------------------------------------------------- one step
 
@@ -308,7 +162,8 @@ class Engine:
         only when no single growth would fail.
         """
         if self.beams is not None and self.batch.n:
-            self._beam_step()
+            self._next_seq = self.beams.fork_and_prune(self.batch, self.kv, self.g, self.requests.final,
+                                                       self._next_seq, self.fork_log)
         b, kv = self.batch, self.kv
         while True:
             need = self._rows_needing_room()
@@ -324,84 +179,38 @@ class Engine:
             for row, seq, target in zip(need.tolist(), seqs, targets, strict=True):
                 room = kv.grow(seq, target)
                 if room is None:
-                    self._preempt_latest()
+                    preemption.preempt_latest(self)
                     break  # rows moved: recompute who still needs room
                 b.room[row] = room
             else:
                 return
 
-    def _beam_step(self) -> None:
-        """Prune and fork every beam group whose survivors are not its own beams."""
-        assert self.beams is not None
-        b, kv, g = self.batch, self.kv, self.g
-        n = b.n
-        for group in self.beams.step(b.req[:n], b.seq[:n]):
-            picked: list[list[float]] = [[] for _ in group.seqs]
-            for parent, score in zip(group.parents, group.scores, strict=True):
-                picked[parent].append(score)
-            rows = np.flatnonzero(b.req[: b.n] == group.req)
-            rows = rows[np.argsort(b.seq[rows])]
-            final = int(self.final[group.req])
-            pruned = [i for i in range(len(group.seqs)) if not picked[i]]
-            for i in pruned:  # pruned first: their blocks come free
-                kv.free(group.seqs[i])
-                self.beams.forget(group.seqs[i])
-            for row, seq, scores in zip(rows.tolist(), group.seqs, picked, strict=True):
-                if not scores:
-                    continue
-                self.beams.scores[seq] = scores[0]
-                filled = int(b.offset[row]) + g
-                for child_score in scores[1:]:
-                    child = self._next_seq
-                    self._next_seq += 1
-                    room = kv.fork(seq, child, filled)  # type: ignore[attr-defined]
-                    self.beams.scores[child] = child_score
-                    if self.fork_log is not None:
-                        self.fork_log.append((seq, child, filled))
-                    b.add(group.req, filled, g, room, final, child)
-                b.room[row] = kv.room(seq)  # its last block may be shared now
-            b.remove_rows(rows[pruned])
-
-    def _resume_swapped(self) -> None:
-        while self.swapped and self.num_running() < self.cfg.max_num_seqs and self.budget > 0:
-            req, filled, cpu_slots = self.swapped[0]
-            final = int(self.final[req])
-            admitted = self.kv.admit((req,), filled + 1, final, int(self.prompt[req]), None)
-            if admitted is None:
-                return
-            self.swapped.popleft()
-            self.swap_used -= cpu_slots
-            self.batch.add(req, filled, self.g, admitted.rooms[0], final)
-            self.status[req] = RUNNING
-            self.budget -= 1
-            self.step_extra += filled * self.cfg.kv_bytes_per_token / self.cfg.swap_bandwidth
-
     def admit_waiting(self) -> bool:
         """Admit FCFS, each request's sequences together and after its prefix-cache hit;
         True if the queue head is blocked (or the queue is empty)."""
-        cfg, kv, width = self.cfg, self.kv, self.width
+        cfg, kv, width, reqs = self.cfg, self.kv, self.width, self.requests
         prefix = kv.prefix
         while self.waiting:
             req = self.waiting[0]
             if self.num_running() + width > cfg.max_num_seqs or self.budget <= 0:
-                self._mark_blocked(req, BLOCK_BATCH)
+                reqs.mark_blocked(req, BLOCK_BATCH)
                 return True
-            prompt = int(self.prompt[req])
+            prompt = int(reqs.prompt[req])
             # A group restarts from its prompt after a preemption; one sequence resumes.
-            context = prompt if width > 1 else prompt + int(self.generated[req])
+            context = prompt if width > 1 else prompt + int(reqs.generated[req])
             hit = prefix.lookup(req, prompt, context) if prefix is not None else None
-            tokens = kv.admission_tokens(prompt, int(self.output[req]), context)
+            tokens = kv.admission_tokens(prompt, int(reqs.output[req]), context)
             seqs = (req, *range(self._next_seq, self._next_seq + width - 1))
-            admitted = kv.admit(seqs, tokens, int(self.final[req]), prompt, hit)
+            admitted = kv.admit(seqs, tokens, int(reqs.final[req]), prompt, hit)
             if admitted is None:
                 frag = kv.blocked_by_fragmentation(tokens)
-                self._mark_blocked(req, BLOCK_FRAG if frag else BLOCK_CAP)
+                reqs.mark_blocked(req, BLOCK_FRAG if frag else BLOCK_CAP)
                 return True
             self._next_seq += width - 1
             if self.fork_log is not None:
                 self.fork_log += [(req, child, prompt) for child in seqs[1:]]
             self.waiting.popleft()
-            self.status[req] = RUNNING
+            reqs.status[req] = RUNNING
             done = hit.tokens if hit is not None else 0
             p = Prefill(req, context, done, seqs, admitted.rooms, admitted.shared, done)
             self.prefilling.append(p)
@@ -411,7 +220,7 @@ class Engine:
             if prefix is not None:
                 self.num_prefix_queries += context
                 self.num_prefix_hits += done
-                self.cached[req] = done
+                reqs.cached[req] = done
         return True
 
     def _step(self) -> float:
@@ -425,7 +234,7 @@ class Engine:
         if self.grows:
             self._grow_decoders()
         self.budget = cfg.num_batched_tokens - self.batch.n
-        self._resume_swapped()
+        preemption.resume_swapped(self)
         for p in self.prefilling:
             if self.budget <= 0:
                 break
@@ -481,20 +290,20 @@ class Engine:
 
     def _end_step(self) -> None:
         self.g += 1
-        g, prefix = self.g, self.kv.prefix
+        g, prefix, reqs = self.g, self.kv.prefix, self.requests
         for p, chunk in self.chunks:
             p.done += chunk
             self.num_prefill_tokens += chunk
             req = p.req
             if prefix is not None:
-                prefix.cache(req, int(self.prompt[req]), p.done)
+                prefix.cache(req, int(reqs.prompt[req]), p.done)
             if p.done < p.target:
                 continue
             self.prefilling.remove(p)
-            self.generated[req] += 1
-            if math.isnan(self.first_token[req]):
-                self.first_token[req] = self.now
-            final = int(self.final[req])
+            reqs.generated[req] += 1
+            if math.isnan(reqs.first_token[req]):
+                reqs.first_token[req] = self.now
+            final = int(reqs.final[req])
             for seq, room in zip(p.seqs, p.rooms, strict=True):
                 self.batch.add(req, p.target + 1, g, room, final, seq)
             if self.beams is not None:
@@ -504,7 +313,7 @@ class Engine:
             return  # no row completes in this step
         done = (b.offset[: b.n] + g >= b.final[: b.n]).nonzero()[0]
         if len(done):
-            status, free = self.status, self.kv.free
+            status, free = reqs.status, self.kv.free
             for req, seq in zip(b.req[done].tolist(), b.seq[done].tolist(), strict=True):
                 free(seq)
                 if self.beams is not None:
@@ -517,10 +326,11 @@ class Engine:
     # ------------------------------------------------------------------ driver
 
     def _idle_until_next_arrival(self) -> float:
-        nxt = self.next_row
-        if nxt >= self.N:
+        reqs = self.requests
+        nxt = reqs.next_row
+        if nxt >= reqs.N:
             return 0.0
-        target = float(self.arrival[nxt])
+        target = float(reqs.arrival[nxt])
         dt = target - self.now
         if dt > 0:
             self.kv.record(self.rec, self.now, dt, 0, self, 0, len(self.waiting))
@@ -531,11 +341,12 @@ class Engine:
         static = self.cfg.batching == "static"
         step, jump = (request_batching.static_step, request_batching.static_jump) if static \
             else (Engine._step, stretch.jump)
-        while self.num_done < self.N:
+        reqs = self.requests
+        while reqs.num_done < reqs.N:
             dt = jump(self) or step(self)
             if not dt:
                 busy = self.num_running() or self.waiting or self.swapped
-                if busy and self.next_row >= self.N:
+                if busy and reqs.next_row >= reqs.N:
                     raise RuntimeError(
                         f"scheduler stalled at t={self.now:.3f}s with {len(self.waiting)} waiting and "
                         f"nothing running; this is a bug (please report the configuration)")
@@ -543,8 +354,8 @@ class Engine:
                 if not dt and not busy:
                     continue
             self.num_events += 1
-            if self.cfg.address_map_interval_s is not None and self.now >= self._map_next:
-                self._sample_address_map()
+            if self.address_sampler.due(self.now):
+                self.address_sampler.sample(self.now, {s.seq_id: s.filled for s in live_sequences(self)})
             yield env.timeout(max(0.0, self.now - env.now))
 
     def run(self) -> Engine:
@@ -552,10 +363,10 @@ class Engine:
         env.process(self._process(env))
         env.run()
         if self.progress is not None:
-            self.progress(self.num_done)
+            self.progress(self.requests.num_done)
         return self
 
-    # ------------------------------------------------------------------ views
+    # ------------------------------------------------- what holds memory (LiveView)
 
     def seqs(self) -> np.ndarray:
         """Ids of every sequence holding memory now, in :meth:`computed`'s order."""
@@ -573,46 +384,6 @@ class Engine:
         if self.prefilling:
             computed = np.concatenate((computed, [p.done for p in self.prefilling]))
         return computed.astype(np.int64, copy=False)
-
-    def live_sequences(self) -> list[LiveSequence]:
-        """Every sequence holding KV memory now, with what it has stored (the observer's view)."""
-        b, g, cached = self.batch, self.g, self.cached
-        out = [LiveSequence(int(r), int(min(o + g, f)), int(f), True, int(s), int(cached[r]) if s == r else 0)
-               for r, o, f, s in zip(b.req[: b.n], b.offset[: b.n], b.final[: b.n], b.seq[: b.n],
-                                     strict=True)]
-        for p in self.prefilling:
-            final = int(self.final[p.req])
-            out.append(LiveSequence(p.req, p.done, final, False, p.req, p.cached))
-            # The other sequences of a prefilling group store nothing of their own yet.
-            out += [LiveSequence(p.req, 0, final, False, seq) for seq in p.seqs[1:]]
-        return out
-
-    def memory_split(self) -> tuple[int, int, int, int]:
-        """(token_states, reservation, internal, free) right now, in the KV manager's unit."""
-        b = self.batch
-        stored = int(np.minimum(b.offset[: b.n] + self.g, b.final[: b.n]).sum()) \
-            + sum(p.done for p in self.prefilling) - (self.duplicate_stored() if self.kv.shared_slots else 0)
-        return self.kv.split(stored, self)
-
-    def prefix_cache_stats(self) -> dict[str, float]:
-        """Prefix-cache counts in vLLM's names, in tokens (all 0 without prefix caching)."""
-        queries, hits = self.num_prefix_queries, self.num_prefix_hits
-        return {"prefix_cache_queries": queries, "prefix_cache_hits": hits,
-                "prefix_cache_hit_rate": hits / queries if queries else 0.0}
-
-    def _sample_address_map(self) -> None:
-        """The KV manager's units now, binned to ``address_map_bins`` (a bin shows its first unit)."""
-        units = self.kv.sample_units({s.seq_id: s.filled for s in self.live_sequences()})
-        bins = min(len(units), self.cfg.address_map_bins)
-        self._map_times.append(self.now)
-        self._map_rows.append(units[(np.arange(bins) * len(units)) // bins])
-        self._map_next = self.now + (self.cfg.address_map_interval_s or 1.0)
-
-    def address_map(self) -> dict[str, Any] | None:
-        """Sampled owners of the pool's units over time (:meth:`KVManager.address_map`)."""
-        if not self._map_times:
-            return None
-        return self.kv.address_map(self._map_times, self._map_rows)
 
     def check(self) -> None:
         """Each row's room against the KV manager's, then the KV manager's own checks

@@ -9,9 +9,9 @@ seeds' "8 + 8 + 4" is this mode with room for 8.
 
 from __future__ import annotations
 
-import numpy as np
-
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from fragsim.kv.protocol import Rows
 
@@ -26,7 +26,7 @@ def static_step(engine: Engine) -> float:
     engine.chunks = []
     engine.pull_arrivals()
     engine.expire_waiting()
-    b = engine.batch
+    b, reqs = engine.batch, engine.requests
     if not engine.static_running:
         engine.budget = 1 << 62  # the whole batch prefills in its first step
         engine.admit_waiting()
@@ -50,9 +50,9 @@ def static_step(engine: Engine) -> float:
     engine.g += 1
     for p, chunk in engine.chunks:
         engine.num_prefill_tokens += chunk
-        engine.generated[p.req] += 1
-        engine.first_token[p.req] = engine.now
-        b.add(p.req, p.target + 1, engine.g, p.rooms[0], int(engine.final[p.req]))
+        reqs.generated[p.req] += 1
+        reqs.first_token[p.req] = engine.now
+        b.add(p.req, p.target + 1, engine.g, p.rooms[0], int(reqs.final[p.req]))
     engine.prefilling.clear()
     if b.n and bool(np.all(b.offset[: b.n] + engine.g >= b.final[: b.n])):
         for row in range(b.n):
@@ -67,7 +67,7 @@ def static_step(engine: Engine) -> float:
     return dt
 
 def static_jump(engine: Engine) -> float:
-    b, cfg = engine.batch, engine.cfg
+    b, cfg, reqs = engine.batch, engine.cfg, engine.requests
     n = b.n
     if not engine.quiet or cfg.exact_steps or n == 0:
         return 0.0
@@ -81,13 +81,13 @@ def static_jump(engine: Engine) -> float:
     dts = engine.cost.decode_step_times(n, ctx)
     starts = np.cumsum(np.concatenate(([engine.now], dts)))
     if cfg.queue_timeout_s is not None:
-        first = next((r for r in engine.waiting if engine.preemptions[r] == 0), None)
-        if first is None and engine.next_servable[engine.next_row] < engine.N:
-            first = int(engine.next_servable[engine.next_row])
-            if engine.arrival[first] > starts[k - 1]:
+        first = next((r for r in engine.waiting if reqs.preemptions[r] == 0), None)
+        if first is None and reqs.next_servable[reqs.next_row] < reqs.N:
+            first = int(reqs.next_servable[reqs.next_row])
+            if reqs.arrival[first] > starts[k - 1]:
                 first = None
         if first is not None:
-            hit = np.flatnonzero(starts[:k] - engine.arrival[first] > cfg.queue_timeout_s)
+            hit = np.flatnonzero(starts[:k] - reqs.arrival[first] > cfg.queue_timeout_s)
             if len(hit):
                 k = int(hit[0])
                 if k <= 0:
@@ -97,8 +97,8 @@ def static_jump(engine: Engine) -> float:
     below = np.searchsorted(rem, steps[:k], side="left")
     rem_cum = np.concatenate(([0], np.cumsum(rem)))
     token_states = int(filled0.sum()) + rem_cum[below] + steps[:k] * (n - below)
-    pulled = np.searchsorted(engine.arrival, starts[:k], side="right")
-    waiting = len(engine.waiting) + engine.servable_cum[pulled] - engine.servable_cum[engine.next_row]
+    pulled = np.searchsorted(reqs.arrival, starts[:k], side="right")
+    waiting = len(engine.waiting) + reqs.servable_cum[pulled] - reqs.servable_cum[reqs.next_row]
     b_rows = Rows(b.seq[:n], b.req[:n], filled0, b.room[:n], b.final[:n])
     engine.kv.record_steps(engine.rec, engine.kv.stretch(b_rows, k, None, False), engine.now, dts[:k],
                            token_states, n, waiting)

@@ -24,14 +24,10 @@ import pandas as pd
 
 from fragsim import __version__
 from fragsim.allocators import PRESETS, create
-from fragsim.engine import (
-    FINISHED,
-    REFUSE_REASONS,
-    STATUS_NAMES,
-    Engine,
-    EngineConfig,
-)
+from fragsim.engine import Engine, EngineConfig
+from fragsim.engine_views import prefix_cache_stats
 from fragsim.errors import FragsimError
+from fragsim.request_table import FINISHED, REFUSE_REASONS, STATUS_NAMES
 
 DEFAULT_ALLOCATORS = ("ft-static", "orca-max", "orca-pow2", "orca-oracle", "vllm")
 #: beam model's θ for traces with no fitted value (likeliest token's probability 0.94 on average)
@@ -306,23 +302,23 @@ def _pct(values: np.ndarray, q: float) -> float:
 def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
               kv_bytes_per_token: int) -> tuple[dict[str, Any], pd.DataFrame]:
     """The summary row (the ``--json`` keys) and the per-request table of a finished run."""
-    rec = engine.rec
+    rec, reqs = engine.rec, engine.requests
     means, peaks = rec.means(), rec.peaks()
     cap = engine.capacity
-    done = engine.status == FINISHED
-    arrival = engine.arrival
-    ttft = engine.first_token - arrival
-    e2e = engine.finish - arrival
-    out_len = engine.output.astype(np.float64)
+    done = reqs.status == FINISHED
+    arrival = reqs.arrival
+    ttft = reqs.first_token - arrival
+    e2e = reqs.finish - arrival
+    out_len = reqs.output.astype(np.float64)
     with np.errstate(invalid="ignore", divide="ignore"):
-        tpot = np.where(out_len > 1, (engine.finish - engine.first_token) / (out_len - 1), np.nan)
+        tpot = np.where(out_len > 1, (reqs.finish - reqs.first_token) / (out_len - 1), np.nan)
     span = rec.span_s
     # Every sample or beam generates its tokens (the request returns the output length).
-    out_tokens = int(engine.output[done].sum()) * engine.cfg.width
+    out_tokens = int(reqs.output[done].sum()) * engine.cfg.width
     counters = rec.counters.to_dict()
     summary: dict[str, Any] = {
         "allocator": allocator_name,
-        "num_requests": engine.N,
+        "num_requests": reqs.N,
         "num_finished": int(done.sum()),
         **counters,
         "capacity_slots": cap,
@@ -352,7 +348,7 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
         "peak_waiting": peaks["waiting"],
         "throughput_tokens_per_s": out_tokens / span if span > 0 else 0.0,
         "throughput_total_tokens_per_s":
-            (out_tokens + int(engine.prompt[done].sum())) / span if span > 0 else 0.0,
+            (out_tokens + int(reqs.prompt[done].sum())) / span if span > 0 else 0.0,
         "throughput_requests_per_s": float(done.sum()) / span if span > 0 else 0.0,
         "mean_ttft_s": float(np.mean(ttft[done])) if done.any() else math.nan,
         "p50_ttft_s": _pct(ttft[done], 50),
@@ -369,19 +365,19 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
         "wall_time_s": wall_time_s,
     })
     requests = pd.DataFrame({
-        "request_id": np.arange(engine.N),
+        "request_id": np.arange(reqs.N),
         "arrival_s": arrival,
-        "prompt_len": engine.prompt,
-        "output_len": engine.output,
-        "status": pd.Categorical.from_codes(engine.status.astype(np.int64), STATUS_NAMES),
-        "refused_reason": [REFUSE_REASONS[int(r)] for r in engine.refused],
-        "first_token_s": engine.first_token,
-        "finish_s": engine.finish,
+        "prompt_len": reqs.prompt,
+        "output_len": reqs.output,
+        "status": pd.Categorical.from_codes(reqs.status.astype(np.int64), STATUS_NAMES),
+        "refused_reason": [REFUSE_REASONS[int(r)] for r in reqs.refused],
+        "first_token_s": reqs.first_token,
+        "finish_s": reqs.finish,
         "ttft_s": ttft,
         "tpot_s": tpot,
         "e2e_latency_s": np.where(done, e2e, np.nan),
         "normalized_latency_s": np.where(done, e2e / out_len, np.nan),
-        "num_preemptions": engine.preemptions,
+        "num_preemptions": reqs.preemptions,
     })
     return summary, requests
 
@@ -395,7 +391,7 @@ def _sharing_summary(engine: Engine, mean_free: float, counts: dict[str, int]) -
     shared = engine.rec.mean_shared()
     physical = engine.capacity - mean_free
     token_bytes = counts.get("token_bytes", 0)
-    out: dict[str, Any] = dict(engine.prefix_cache_stats())
+    out: dict[str, Any] = dict(prefix_cache_stats(engine))
     out.update({
         "num_prefix_cache_evictions": counts.get("num_prefix_cache_evictions", 0),
         "mean_shared_slots": shared,
@@ -423,7 +419,7 @@ def simulate(trace: Any, allocator_name: str, spec: RunSpec,
     if engine.kv.unit == "bytes":
         kinds = pd.DataFrame(engine.kv.timeseries())  # type: ignore[attr-defined]
         series = series.merge(kinds, on="time_s", how="left") if len(kinds) else series
-    return RunResult(allocator_name, summary, requests, series, engine.address_map())
+    return RunResult(allocator_name, summary, requests, series, engine.address_sampler.address_map())
 
 
 def run_config(spec: RunSpec, allocators: list[str]) -> dict[str, Any]:

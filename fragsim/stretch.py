@@ -72,12 +72,13 @@ def plan(engine: Engine) -> Plan | None:
     now = engine.now
     # While requests wait the queue head is blocked and arrivals change nothing; else the
     # stretch stops at the first step that starts once the next servable request is in.
+    reqs = engine.requests
     watch = not engine.waiting and not engine.swapped
     arrive = math.inf
     if watch:
-        nxt = int(engine.next_servable[engine.next_row])
-        if nxt < engine.N:
-            arrive = float(engine.arrival[nxt])
+        nxt = int(reqs.next_servable[reqs.next_row])
+        if nxt < reqs.N:
+            arrive = float(reqs.arrival[nxt])
             if arrive <= now:
                 return None  # it arrived during the last step: that step runs exactly
     g = engine.g
@@ -109,9 +110,9 @@ def plan(engine: Engine) -> Plan | None:
             k = int(np.flatnonzero(arrive <= starts_arr[:k])[0])
         starts = starts_arr.tolist()
     if cfg.queue_timeout_s is not None:
-        first = next((r for r in engine.waiting if engine.preemptions[r] == 0), None)
+        first = next((r for r in engine.waiting if reqs.preemptions[r] == 0), None)
         if first is not None:
-            since, timeout = float(engine.arrival[first]), cfg.queue_timeout_s
+            since, timeout = float(reqs.arrival[first]), cfg.queue_timeout_s
             k = next((j for j in range(k) if starts[j] - since > timeout), k)
     if k <= 0:
         return None
@@ -141,9 +142,10 @@ def waiting_counts(engine: Engine, stretch: Plan, k: int) -> np.ndarray:
     if stretch.watch:
         # Nothing servable arrives before the stretch ends (that is where it stops).
         return np.zeros(k, dtype=np.int64)
-    pulled = np.searchsorted(engine.arrival, stretch.starts[:k], side="right")
+    reqs = engine.requests
+    pulled = np.searchsorted(reqs.arrival, stretch.starts[:k], side="right")
     return len(engine.waiting) + len(engine.swapped) \
-        + engine.servable_cum[pulled] - engine.servable_cum[engine.next_row]
+        + reqs.servable_cum[pulled] - reqs.servable_cum[reqs.next_row]
 
 
 def head_tokens(engine: Engine) -> int | None:
@@ -152,8 +154,8 @@ def head_tokens(engine: Engine) -> int | None:
     if not engine.waiting or engine.num_running() >= engine.cfg.max_num_seqs \
             or engine.batch.n >= engine.cfg.num_batched_tokens:
         return None
-    head = engine.waiting[0]
-    return int(engine.prompt[head] + engine.generated[head]) + 1
+    head, reqs = engine.waiting[0], engine.requests
+    return int(reqs.prompt[head] + reqs.generated[head]) + 1
 
 
 def jump(engine: Engine) -> float:

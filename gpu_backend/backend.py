@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from fragsim.allocators import BlockTable, Extent
+from fragsim.engine_views import live_sequences, memory_split
 from gpu_backend.pool import KVPool, ValidationError, kv_values, query_values
 
 __all__ = ["DeviceBackend", "StepRecord", "ValidationError"]
@@ -79,7 +80,7 @@ class DeviceBackend:
 
     def after_step(self, engine: Any) -> None:
         self._step += 1
-        live = {s.req: s for s in engine.live_sequences()}
+        live = {s.req: s for s in live_sequences(engine)}
         self._sync_ownership(live)
         self._write_tokens(live)
         if self.corrupt is not None:
@@ -205,7 +206,7 @@ class DeviceBackend:
         return pool.largest_free_run()
 
     def _compare_split(self, engine: Any, running: int) -> None:
-        simulated = engine.memory_split()
+        simulated = memory_split(engine)
         m = self.pool.measure()
         measured = (m.token_states, m.reservation, m.internal_fragmentation, m.free)
         largest_sim = self.allocator.largest_allocatable()
@@ -289,7 +290,7 @@ class SharedDeviceBackend(DeviceBackend):
 
     def after_step(self, engine: Any) -> None:
         self._step += 1
-        live = {s.seq_id: s for s in engine.live_sequences()}
+        live = {s.seq_id: s for s in live_sequences(engine)}
         forks = list(engine.fork_log or ())
         if engine.fork_log is not None:
             engine.fork_log.clear()
@@ -312,7 +313,7 @@ class SharedDeviceBackend(DeviceBackend):
 
     def _content_of(self, engine: Any, req: int, seq: int, start: int, end: int) -> torch.Tensor:
         """Content ids of positions ``[start, end)`` that ``seq`` of ``req`` produces itself."""
-        prompt = int(engine.prompt[req])
+        prompt = int(engine.requests.prompt[req])
         ids = torch.full((max(0, end - start),), seq, dtype=torch.int64)
         if start < prompt:
             ids[: min(end, prompt) - start] = req
@@ -355,7 +356,7 @@ class SharedDeviceBackend(DeviceBackend):
         for seq in sorted(live, key=lambda s: (s in fork_of, s)):
             info = live[seq]
             slots = self._slots_of(seq)
-            epoch = int(engine.preemptions[info.req])
+            epoch = int(engine.requests.preemptions[info.req])
             was = old.get(seq)
             if was is not None and was.epoch == epoch:
                 cow(seq, epoch, was.slots, slots, was.stored)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fragsim.engine_views import live_sequences
 from fragsim.hybrid.base import CATEGORIES
 from gpu_backend.hybrid_pool import HybridPool
 from gpu_backend.pool import ValidationError, kv_values, query_values
@@ -85,7 +86,7 @@ class HybridDeviceBackend:
 
     def after_step(self, engine: Any) -> None:
         self._step += 1
-        live = {s.req: s for s in engine.live_sequences()}
+        live = {s.req: s for s in live_sequences(engine)}
         self._sync(engine, live)
         self._write(live)
         if self.corrupt is not None:
@@ -105,7 +106,7 @@ class HybridDeviceBackend:
             self._drop(req)
         takes: list[tuple[int, int, dict[int, int], dict[int, int]]] = []
         for req, s in live.items():
-            epoch = int(engine.preemptions[req])
+            epoch = int(engine.requests.preemptions[req])
             old = self._seqs.get(req)
             if old is not None and old.epoch != epoch:
                 self._drop(req)         # preempted and placed again since the last step

@@ -259,7 +259,7 @@ def run_hybrid_validation(spec: RunSpec, allocator: str, *, device: str = "cpu",
     return HybridValidationReport(
         allocator, mini.name, device, len(trace), pool_bytes, list(manager.labels), len(backend.records),
         _hybrid_table(backend.records, manager.labels), backend.attention_checks, backend.content_checks,
-        backend.state_checks, backend.window_reuses, int(engine.preemptions.sum()), backend.max_abs_error,
+        backend.state_checks, backend.window_reuses, int(engine.requests.preemptions.sum()), backend.max_abs_error,
         error, wall)
 
 

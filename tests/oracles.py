@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from fragsim.engine_views import memory_split
+
 
 def dense_split_by_slot(engine: Any) -> None:
     """The dense split, slot by slot from the block tables of a forking paged allocator:
@@ -23,7 +25,7 @@ def dense_split_by_slot(engine: Any) -> None:
     for row in range(b.n):
         holders.append((int(b.seq[row]), int(b.offset[row]) + g, int(b.final[row])))
     for p in engine.prefilling:
-        final = int(engine.final[p.req])
+        final = int(engine.requests.final[p.req])
         assert p.seqs[0] == p.req and len(p.seqs) == engine.width
         for i, seq in enumerate(p.seqs):
             holders.append((seq, p.done if i == 0 else 0, final))
@@ -47,4 +49,4 @@ def dense_split_by_slot(engine: Any) -> None:
     slot_internal = int((held & ~stored & (position >= top_final)).sum())
     physical = int(held.sum())
     want = (token, physical - token - slot_internal, slot_internal, cap - physical)
-    assert engine.memory_split() == want, f"split {engine.memory_split()} but slot by slot {want}"
+    assert memory_split(engine) == want, f"split {memory_split(engine)} but slot by slot {want}"

@@ -51,8 +51,8 @@ def test_two_requests_by_hand() -> None:
     assert means["reservation"] == pytest.approx((15 + 4 + 3 + 25 + 3 + 1) / 6)
     assert means["free"] == pytest.approx(1024 - (16 * 3 + 48 * 2 + 32) / 6)
     assert means["running"] == pytest.approx(8 / 6)
-    np.testing.assert_allclose(engine.first_token, [0.1, 0.4])
-    np.testing.assert_allclose(engine.finish, [0.5, 0.6])
+    np.testing.assert_allclose(engine.requests.first_token, [0.1, 0.4])
+    np.testing.assert_allclose(engine.requests.finish, [0.5, 0.6])
     assert engine.rec.peaks()["running"] == 2
 
 
@@ -62,7 +62,7 @@ def test_oracle_contiguous_has_no_growth_and_exact_internal() -> None:
     alloc = create("contiguous", 4096, reserve="oracle", max_seq_len=2048)
     engine = Engine(trace, alloc, FixedCostModel(0.1), EngineConfig(check=True)).run()
     assert engine.rec.means()["internal_fragmentation"] == 0
-    assert (engine.status == 4).all()
+    assert (engine.requests.status == 4).all()
 
 
 def test_static_batching_runs_8_8_4() -> None:
@@ -71,7 +71,7 @@ def test_static_batching_runs_8_8_4() -> None:
     engine = run_engine(trace, "static", capacity=8 * 64, max_seq_len=64, max_num_seqs=8,
                         batching="static")
     # each batch: one prefill step + 9 decode steps = 1.0 s; members return together
-    np.testing.assert_allclose(engine.finish, [1.0] * 8 + [2.0] * 8 + [3.0] * 4)
+    np.testing.assert_allclose(engine.requests.finish, [1.0] * 8 + [2.0] * 8 + [3.0] * 4)
     assert engine.rec.means()["running"] == pytest.approx(20 / 3)
 
 
@@ -79,8 +79,8 @@ def test_static_batching_waits_for_the_longest_member() -> None:
     trace = make_trace([0.0, 0.0], [4, 4], [2, 6])
     engine = run_engine(trace, "static", capacity=2 * 16, max_seq_len=16, max_num_seqs=2,
                         batching="static")
-    np.testing.assert_allclose(engine.finish, [0.6, 0.6])
-    np.testing.assert_allclose(engine.first_token, [0.1, 0.1])
+    np.testing.assert_allclose(engine.requests.finish, [0.6, 0.6])
+    np.testing.assert_allclose(engine.requests.first_token, [0.1, 0.1])
 
 
 def test_refusals_too_long_too_large_and_timeout() -> None:
@@ -94,34 +94,34 @@ def test_refusals_too_long_too_large_and_timeout() -> None:
                         capacity=600, max_seq_len=500, queue_timeout_s=1.0)
     # contiguous reserves max_seq_len (500): the second waits ~10 s for the first -> 503
     assert engine.rec.counters.num_refused_timeout == 1
-    assert engine.status.tolist() == [4, 5]
+    assert engine.requests.status.tolist() == [4, 5]
 
 
 def test_truncate_prompts() -> None:
     trace = make_trace([0.0], [3000], [10])
     engine = run_engine(trace, "paged", capacity=4096, truncate_prompts=True)
-    assert engine.prompt.tolist() == [2038]
+    assert engine.requests.prompt.tolist() == [2038]
     assert engine.rec.counters.num_truncated == 1
-    assert engine.status.tolist() == [4]
+    assert engine.requests.status.tolist() == [4]
 
 
 def test_paged_preemption_recompute_and_swap() -> None:
     trace = make_trace([0.0] * 6, [30] * 6, [60] * 6)
     engine = run_engine(trace, "paged", capacity=256)
     assert engine.rec.counters.num_preemptions_recompute > 0
-    assert (engine.status == 4).all()
+    assert (engine.requests.status == 4).all()
     engine = run_engine(trace, "paged", capacity=256, preemption="swap", swap_space_slots=1000,
                         kv_bytes_per_token=1000)
     assert engine.rec.counters.num_preemptions_swap > 0
-    assert (engine.status == 4).all()
+    assert (engine.requests.status == 4).all()
 
 
 def test_chunked_prefill_respects_token_budget() -> None:
     trace = make_trace([0.0], [100], [2])
     engine = run_engine(trace, "paged", capacity=1024, max_num_batched_tokens=32, max_num_seqs=4)
     # 100 prompt tokens in chunks of 32: 4 steps, then one decode step
-    assert engine.first_token.tolist() == [pytest.approx(0.4)]
-    assert engine.finish.tolist() == [pytest.approx(0.5)]
+    assert engine.requests.first_token.tolist() == [pytest.approx(0.4)]
+    assert engine.requests.finish.tolist() == [pytest.approx(0.5)]
 
 
 def test_engine_config_errors_name_the_field() -> None:
@@ -199,7 +199,7 @@ def test_recompute_reprefills_prompt_and_generated_tokens() -> None:
     engine = run_engine(trace, "paged", capacity=64, max_seq_len=64)
     assert engine.rec.counters.num_preemptions_recompute == 1
     assert engine.num_prefill_tokens == 15 + 15 + 32
-    np.testing.assert_allclose(engine.finish, [4.0, 5.3])
+    np.testing.assert_allclose(engine.requests.finish, [4.0, 5.3])
 
 
 def test_static_batching_needs_a_reserving_allocator() -> None:

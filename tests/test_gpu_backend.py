@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from fragsim.allocators import BlockTable  # noqa: E402
+from fragsim.engine_views import live_sequences  # noqa: E402
 from fragsim.simulate import RunSpec  # noqa: E402
 from gpu_backend.pool import KVPool, ValidationError  # noqa: E402
 from gpu_backend.validate import ModelShape, run_validation  # noqa: E402
@@ -38,7 +39,7 @@ def test_corrupted_block_table_is_caught() -> None:
     done = []
 
     def corrupt(backend, engine) -> None:
-        live = [s.req for s in engine.live_sequences()]
+        live = [s.req for s in live_sequences(engine)]
         if done or len(live) < 2:
             return
         done.append(backend._step)
@@ -60,7 +61,7 @@ def test_corrupted_block_table_is_caught() -> None:
 def test_lost_write_is_caught_with_request_and_position() -> None:
     def corrupt(backend, engine) -> None:
         if backend._step == 6:
-            req = engine.live_sequences()[0].req
+            req = live_sequences(engine)[0].req
             slot = int(backend._tracked[req].slots[2])
             backend.pool.k[0, slot] = 0.0
 

@@ -47,9 +47,9 @@ def test_stretches_agree_with_exact_steps(name: str) -> None:
     exact.run()
     assert fast.num_steps == exact.num_steps
     assert fast.num_events < exact.num_events
-    np.testing.assert_array_equal(fast.first_token, exact.first_token)
-    np.testing.assert_array_equal(fast.finish, exact.finish)
-    np.testing.assert_array_equal(fast.preemptions, exact.preemptions)
+    np.testing.assert_array_equal(fast.requests.first_token, exact.requests.first_token)
+    np.testing.assert_array_equal(fast.requests.finish, exact.requests.finish)
+    np.testing.assert_array_equal(fast.requests.preemptions, exact.requests.preemptions)
     np.testing.assert_allclose(fast.kv.split_rec.means(), exact.kv.split_rec.means(), rtol=1e-9, atol=1e-3)
 
 
@@ -119,7 +119,7 @@ def test_address_map_by_kind(name: str) -> None:
     spec = _spec("gemma-3-27b", 2 * GiB, n=150, address_map=True, timeseries_resolution_s=2.0)
     engine = make_engine(load_workload(spec), name, spec)
     engine.run()
-    amap = engine.address_map()
+    amap = engine.address_sampler.address_map()
     assert amap is not None and amap["row"].shape[0] == len(amap["time_s"]) > 3
     assert amap["row"].min() >= -1 and amap["row"].max() < len(amap["kinds"])
     assert (amap["row"] >= 0).any(axis=1).sum() > 1        # the pool was in use at some samples
@@ -137,9 +137,9 @@ def test_jenga_stretches_under_pressure() -> None:
     exact = make_engine(trace, "jenga", RunSpec(**{**spec.to_dict(), "exact_steps": True,
                                                    "time_window_s": None}))
     exact.run()
-    np.testing.assert_array_equal(fast.finish, exact.finish)
-    np.testing.assert_array_equal(fast.first_token, exact.first_token)
-    np.testing.assert_array_equal(fast.preemptions, exact.preemptions)
+    np.testing.assert_array_equal(fast.requests.finish, exact.requests.finish)
+    np.testing.assert_array_equal(fast.requests.first_token, exact.requests.first_token)
+    np.testing.assert_array_equal(fast.requests.preemptions, exact.requests.preemptions)
     assert fast.num_steps == exact.num_steps and fast.num_events < exact.num_events
     np.testing.assert_allclose(fast.kv.split_rec.means(), exact.kv.split_rec.means(), rtol=1e-9, atol=1e-3)
 
@@ -161,8 +161,8 @@ def test_counts_only_manager_gives_the_same_run(name: str, model: str) -> None:
                                               "time_window_s": None}))
     assert ids.kv.manager.tracks_ids
     ids.run()
-    np.testing.assert_array_equal(counts.finish, ids.finish)
-    np.testing.assert_array_equal(counts.preemptions, ids.preemptions)
+    np.testing.assert_array_equal(counts.requests.finish, ids.requests.finish)
+    np.testing.assert_array_equal(counts.requests.preemptions, ids.requests.preemptions)
     np.testing.assert_allclose(counts.kv.split_rec.means(), ids.kv.split_rec.means(), rtol=1e-12)
 
 

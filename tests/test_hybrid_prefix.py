@@ -193,9 +193,9 @@ def test_stretches_make_the_exact_steps_decisions(model: str) -> None:
     exact.run()
     assert fast.num_steps == exact.num_steps
     assert fast.num_events < exact.num_events
-    np.testing.assert_array_equal(fast.first_token, exact.first_token)
-    np.testing.assert_array_equal(fast.finish, exact.finish)
-    np.testing.assert_array_equal(fast.preemptions, exact.preemptions)
+    np.testing.assert_array_equal(fast.requests.first_token, exact.requests.first_token)
+    np.testing.assert_array_equal(fast.requests.finish, exact.requests.finish)
+    np.testing.assert_array_equal(fast.requests.preemptions, exact.requests.preemptions)
     assert fast.num_prefix_hits == exact.num_prefix_hits > 0  # type: ignore[attr-defined]
     np.testing.assert_allclose(fast.kv.split_rec.means(), exact.kv.split_rec.means(), rtol=1e-9, atol=1e-3)
 

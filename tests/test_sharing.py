@@ -14,15 +14,16 @@ from typing import Any
 
 import numpy as np
 import pytest
+from oracles import dense_split_by_slot
 
 from fragsim.allocators import SharedPagedAllocator, create
 from fragsim.cli import main as cli_main
 from fragsim.costmodel import FixedCostModel
 from fragsim.engine import Engine, EngineConfig
+from fragsim.engine_views import prefix_cache_stats
 from fragsim.errors import FragsimError
 from fragsim.simulate import RunSpec, load_workload, make_engine, simulate, summarize
 from fragsim.traces import Trace, load_trace, slice_trace
-from oracles import dense_split_by_slot
 
 
 def make_trace(arrival: list[float], prompt: list[int], output: list[int],
@@ -71,8 +72,8 @@ def test_two_samples_by_hand() -> None:
     assert means["free"] == pytest.approx(64 - (12 + 12 + 20) / 3)
     assert engine.rec.mean_shared() == pytest.approx(4)
     assert engine.kv.alloc.take_copies() == [(1, 2)]
-    np.testing.assert_allclose(engine.first_token, [0.1])
-    np.testing.assert_allclose(engine.finish, [0.3])
+    np.testing.assert_allclose(engine.requests.first_token, [0.1])
+    np.testing.assert_allclose(engine.requests.finish, [0.3])
     assert engine.kv.alloc.num_free() == 64
 
 
@@ -98,7 +99,7 @@ def test_beam_search_by_hand() -> None:
     assert means["reservation"] == pytest.approx((12 + 2 + 4 + 2) / 4)
     assert engine.rec.mean_shared() == pytest.approx((4 + 4 + 8 + 8) / 4)
     assert engine.kv.alloc.take_copies() == [(1, 2), (1, 3), (4, 6)]
-    np.testing.assert_allclose(engine.finish, [0.4])
+    np.testing.assert_allclose(engine.requests.finish, [0.4])
 
 
 def test_prefix_cache_hit_by_hand() -> None:
@@ -111,10 +112,10 @@ def test_prefix_cache_hit_by_hand() -> None:
     """
     trace = make_trace([0.0, 1.0], [10, 10], [2, 2], hashes=[(7,), (7,)], hash_size=8)
     engine = sharing_engine(trace, 16 * 4, prefix_caching=True).run()
-    assert engine.prefix_cache_stats() == {"prefix_cache_queries": 20, "prefix_cache_hits": 8,
+    assert prefix_cache_stats(engine) == {"prefix_cache_queries": 20, "prefix_cache_hits": 8,
                                            "prefix_cache_hit_rate": 0.4}
     assert engine.num_prefill_tokens == 12
-    np.testing.assert_allclose(engine.finish, [0.2, 1.2])
+    np.testing.assert_allclose(engine.requests.finish, [0.2, 1.2])
     # different content: no hit
     trace = make_trace([0.0, 1.0], [10, 10], [2, 2], hashes=[(7,), (8,)], hash_size=8)
     assert sharing_engine(trace, 16 * 4, prefix_caching=True).run().num_prefix_hits == 0
@@ -135,7 +136,7 @@ def test_sharing_machinery_without_sharing_is_the_plain_engine() -> None:
     for alloc in (create("vllm", 3000), SharedPagedAllocator(3000)):
         engine = Engine(trace, alloc, FixedCostModel(0.02), EngineConfig(check=True)).run()
         assert engine.rec.counters.num_preemptions > 0
-        runs.append((engine.rec.means(), engine.rec.counters.to_dict(), engine.finish.tolist(),
+        runs.append((engine.rec.means(), engine.rec.counters.to_dict(), engine.requests.finish.tolist(),
                      engine.num_prefill_tokens))
     assert runs[0] == runs[1]
 
@@ -252,7 +253,7 @@ def test_beams_survive_by_score() -> None:
     engine.run()
     assert engine.fork_log == [(0, 1, 6), (1, 2, 7)]
     assert engine.beams.scores == {}  # type: ignore[union-attr]  # every beam finished and was forgotten
-    np.testing.assert_allclose(engine.finish, [0.2])
+    np.testing.assert_allclose(engine.requests.finish, [0.2])
 
 
 def test_a_confident_model_shares_less() -> None:

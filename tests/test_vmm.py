@@ -191,7 +191,7 @@ def test_vmm_with_16_token_pages_is_vllm() -> None:
     summaries = []
     for alloc in (create("vllm", 6000), create("vmm", 6000, page_bytes=64 * KiB, token_bytes=4 * KiB)):
         engine = Engine(trace, alloc, FixedCostModel(0.02), EngineConfig(check=True)).run()
-        summaries.append((engine.rec.means(), engine.rec.counters.to_dict(), engine.finish.tolist()))
+        summaries.append((engine.rec.means(), engine.rec.counters.to_dict(), engine.requests.finish.tolist()))
     assert summaries[0] == summaries[1]
 
 

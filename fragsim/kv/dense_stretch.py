@@ -62,8 +62,11 @@ def _one_block_each(kv: Any, rows: Rows, j0: np.ndarray, k: int) -> StretchMemor
     per-step sums in plain ints.
 
     NOTE: a short stretch grows a few rows; plain ints here instead of the general
-    path's dozen numpy calls make the dense peer configuration FIGURE faster
-    (``benchmarks/sim_speed.py --peer``)."""
+    path's dozen numpy calls make the dense peer configuration (``benchmarks/sim_speed.py
+    --peer``) about 1.14x faster: its engine run, in one process, 7 rounds alternating
+    this path with :func:`grow` less its ``k <= B`` branch, took 5.3 s against 6.1 s
+    (medians; the pairs' ratio 1.02-1.23, median 1.14, on a shared machine), with the
+    same steps, events, split and finish times."""
     B = kv.block_size
     owned_total, internal_total = kv.owned_total, kv.internal_total
     moving = (j0 < k).nonzero()[0]

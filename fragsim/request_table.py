@@ -1,0 +1,127 @@
+"""The per-request table: one row per trace request, from arrival to its answer.
+
+It owns the request arrays the engine and the summaries read (arrival, prompt and
+output lengths, ``final = prompt + output``, status, refusal reason, blocked
+reasons, tokens generated, preemptions, prefix-cache hits, first-token and finish
+times), the status codes (``PENDING`` .. ``REFUSED``), the refusal and blocked
+reasons and the counters they bump, and the request-side bookkeeping: refusals that
+depend only on the request (too long, too large for the pool), arrivals joining the
+queue, queue timeouts, and a request's finish. Scheduling is the engine's
+(:mod:`fragsim.engine`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from fragsim.engine_config import EngineConfig
+from fragsim.metrics import Counters
+
+# Request status codes in the per-request arrays.
+PENDING, WAITING, RUNNING, SWAPPED, FINISHED, REFUSED = range(6)
+STATUS_NAMES = ["pending", "waiting", "running", "swapped", "finished", "refused"]
+REFUSE_TOO_LONG, REFUSE_TOO_LARGE, REFUSE_TIMEOUT = 1, 2, 3
+REFUSE_REASONS = {0: "", REFUSE_TOO_LONG: "too_long", REFUSE_TOO_LARGE: "too_large",
+                  REFUSE_TIMEOUT: "timeout"}
+BLOCK_FRAG, BLOCK_CAP, BLOCK_BATCH = 1, 2, 4
+_REFUSAL_COUNTER = {REFUSE_TOO_LONG: "num_refused_too_long", REFUSE_TOO_LARGE: "num_refused_too_large",
+                    REFUSE_TIMEOUT: "num_refused_timeout"}
+_BLOCK_COUNTER = {BLOCK_FRAG: "num_blocked_fragmentation", BLOCK_CAP: "num_blocked_capacity",
+                  BLOCK_BATCH: "num_blocked_batch_limit"}
+
+
+class RequestTable:
+    """The trace's requests as arrays, row ``i`` the ``i``-th arrival.
+
+    ``fits_alone(prompt, output, width)``: which requests the empty pool could hold
+    (the KV manager's); ``counters``: the run's, for refusals and blocked reasons."""
+
+    def __init__(self, trace: Any, cfg: EngineConfig,
+                 fits_alone: Callable[[np.ndarray, np.ndarray, int], np.ndarray],
+                 counters: Counters) -> None:
+        self.counters = counters
+        self.arrival = np.asarray(trace.arrival_s, dtype=np.float64)
+        self.prompt = np.asarray(trace.prompt_len, dtype=np.int64).copy()
+        self.output = np.asarray(trace.output_len, dtype=np.int64).copy()
+        self.N = N = len(self.arrival)
+        self.status = np.full(N, PENDING, dtype=np.int8)
+        self.refused = np.zeros(N, dtype=np.int8)
+        self.blocked = np.zeros(N, dtype=np.int8)
+        self.generated = np.zeros(N, dtype=np.int64)
+        self.preemptions = np.zeros(N, dtype=np.int32)
+        self.cached = np.zeros(N, dtype=np.int64)  # tokens found cached at its last admission
+        self.first_token = np.full(N, np.nan)
+        self.finish = np.full(N, np.nan)
+        self._classify(cfg, fits_alone)
+        self.final = self.prompt + self.output
+        self.next_row = 0               # next row to arrive
+        self.num_done = 0               # rows finished or refused
+
+    def _classify(self, cfg: EngineConfig,
+                  fits_alone: Callable[[np.ndarray, np.ndarray, int], np.ndarray]) -> None:
+        """Refusals that depend only on the request: too long, or too large for the pool."""
+        too_long = self.prompt + self.output > cfg.max_seq_len
+        if cfg.truncate_prompts:
+            fixable = too_long & (self.output < cfg.max_seq_len)
+            self.prompt[fixable] = cfg.max_seq_len - self.output[fixable]
+            self.counters.num_truncated = int(fixable.sum())
+            too_long &= ~fixable
+        fits = fits_alone(self.prompt, self.output, cfg.width) if self.N else too_long
+        too_large = ~too_long & ~fits
+        self.refused[too_long] = REFUSE_TOO_LONG
+        self.refused[too_large] = REFUSE_TOO_LARGE
+        self.servable = ~(too_long | too_large)
+        self.servable_cum = np.concatenate(([0], np.cumsum(self.servable)))
+        # next_servable[i]: first servable row >= i (N if none)
+        idx = np.where(self.servable, np.arange(self.N), self.N)
+        self.next_servable = np.minimum.accumulate(idx[::-1])[::-1] if self.N else idx
+        self.next_servable = np.append(self.next_servable, self.N)
+
+    def arrive(self, now: float, waiting: deque[int]) -> None:
+        """Rows that arrived by ``now`` join ``waiting``; those never servable are refused."""
+        arrival = self.arrival
+        while self.next_row < self.N and arrival[self.next_row] <= now:
+            req = self.next_row
+            self.next_row += 1
+            if self.servable[req]:
+                self.status[req] = WAITING
+                waiting.append(req)
+            else:
+                self.refuse(req, int(self.refused[req]), now)
+
+    def expire(self, waiting: deque[int], now: float, timeout: float) -> deque[int]:
+        """``waiting`` less the requests refused for waiting past ``timeout`` (a preempted
+        request is never timed out)."""
+        keep: deque[int] = deque()
+        for req in waiting:
+            if self.preemptions[req] == 0 and now - self.arrival[req] > timeout:
+                self.refuse(req, REFUSE_TIMEOUT, now)
+            else:
+                keep.append(req)
+        return keep
+
+    def refuse(self, req: int, reason: int, now: float) -> None:
+        self.status[req] = REFUSED
+        self.refused[req] = reason
+        # Unservable requests are answered on arrival; a timeout when it is noticed.
+        self.finish[req] = now if reason == REFUSE_TIMEOUT else self.arrival[req]
+        self.num_done += 1
+        self.counters.bump(_REFUSAL_COUNTER[reason])
+
+    def finish_at(self, req: int, now: float) -> None:
+        """``req`` has generated its whole output at ``now``."""
+        self.status[req] = FINISHED
+        self.generated[req] = self.output[req]
+        self.finish[req] = now
+        self.num_done += 1
+
+    def mark_blocked(self, req: int, kind: int) -> None:
+        """``req`` was kept out of the batch for reason ``kind`` (counted once per kind)."""
+        if self.blocked[req] & kind:
+            return
+        self.blocked[req] |= kind
+        self.counters.bump(_BLOCK_COUNTER[kind])
