@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import numpy as np
+
 from fragsim.simulate import RunSpec, load_workload, make_engine
 
 MODELS = ["mistral-7b-v0.1", "gpt-oss-20b", "gemma-3-27b"]
@@ -25,15 +27,17 @@ def visits(model: str, allocator: str) -> dict[str, float]:
     spec = RunSpec(trace="azure-conv", model=model, gpu="a100-80gb", max_seq_len=16384,
                    max_num_seqs=256, max_num_batched_tokens=2048)
     engine = make_engine(load_workload(spec), allocator, spec)
-    m = engine.manager
+    m = engine.kv.manager  # type: ignore[attr-defined]
     counts = {"grow_calls": 0, "visits": 0, "free_only": 0}
     grow_many = m.grow_many
 
     def counted(seqs, targets):  # type: ignore[no-untyped-def]
-        frees, takes = m.moves_many(seqs, targets)[4:]
+        per_shape = m.state.grow_moves(list(seqs), list(targets))[1]   # the moves, nothing changed
+        frees = np.array([shape[4] for shape in per_shape]).sum(axis=0)
+        takes = np.array([shape[5] for shape in per_shape]).sum(axis=0)
         counts["grow_calls"] += 1
         counts["visits"] += len(seqs)
-        counts["free_only"] += int(((frees.sum(axis=0) > 0) & (takes.sum(axis=0) == 0)).sum())
+        counts["free_only"] += int(((frees > 0) & (takes == 0)).sum())
         return grow_many(seqs, targets)
 
     m.grow_many = counted

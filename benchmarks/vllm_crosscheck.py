@@ -106,93 +106,40 @@ def record_run(model_name: str, gpu_name: str, trace: str, num_requests: int, po
                max_seq_len: int, prefix_caching: bool = False) -> tuple[VllmPlan, list[list], list[list]]:
     """A vllm-hybrid run's manager operations and its state after each one (with
     prefix caching, an admission's state ends with the tokens it hit)."""
-    import fragsim.hybrid as hybrid
     from fragsim.simulate import RunSpec, load_workload, make_engine
 
     ops: list[list] = []
     states: list[list] = []
+    asked: list = [[], 0, 0]   # the last lookup: keys, max_len, tokens hit
 
-    class Recording(hybrid.VllmHybridManager):
-        def _after(self, op: list, ok: bool, seq: int) -> None:
+    def record(op: list, ok: bool, seq: int) -> None:
+        """The manager's operation and its state after it (``HybridManager.on_op``)."""
+        if op[0] == "l":
+            asked[:] = op[1:]
+            return
+        held = m.blocks_held(seq) if seq in m.state.live else [0] * len(m.rows)
+        if not prefix_caching:
             ops.append(op)
-            held = self.blocks_held(seq) if seq in self._live else [0] * len(self.rows)
-            states.append([ok, self.num_free_blocks(), held])
+            states.append([ok, m.num_free_blocks(), held])
+            return
+        tokens = None
+        if op[0] == "a":
+            prompt = op[4] if op[4] is not None else op[2] - 1
+            op = op[:4] + [asked[0], asked[1], prompt]
+            tokens = asked[2]
+        ops.append(op)
+        states.append([ok, m.num_free_blocks(), held, tokens])
 
-        def allocate(self, seq_id: int, num_slots: int):  # type: ignore[no-untyped-def]
-            placed = super().allocate(seq_id, num_slots)
-            self._after(["a", seq_id, num_slots, self._final(seq_id)], placed is not None, seq_id)
-            return placed
-
-        def extend(self, seq_id: int, num_slots: int) -> bool:
-            q = self.num_requested(seq_id) + num_slots
-            ok = super().extend(seq_id, num_slots)
-            self._after(["e", seq_id, q], ok, seq_id)
-            return ok
-
-        def free(self, seq_id: int) -> None:
-            super().free(seq_id)
-            self._after(["f", seq_id], True, seq_id)
-
-        def advance_many(self, seqs, targets, moves=None) -> None:  # type: ignore[no-untyped-def]
-            # the engine's batched growth, as the extends one by one it stands for
-            for seq, target in zip(seqs.tolist(), targets.tolist(), strict=True):
-                if not self.extend(seq, target - self.num_requested(seq)):
-                    raise AssertionError("batched growth failed")
-
-    class RecordingPrefix(hybrid.VllmPrefixManager):
-        _asked: tuple[list[int], int, int] = ([], 0, 0)
-
-        def lookup(self, keys: list[int], max_len: int):  # type: ignore[no-untyped-def]
-            hit = super().lookup(keys, max_len)
-            self._asked = (list(keys), max_len, hit.tokens)
-            return hit
-
-        def allocate(self, seq_id: int, num_slots: int, hit=None, prompt_len=None):  # type: ignore[no-untyped-def]
-            placed = super().allocate(seq_id, num_slots, hit, prompt_len)
-            keys, max_len, tokens = self._asked
-            ops.append(["a", seq_id, num_slots, self._final(seq_id), keys, max_len,
-                        num_slots - 1 if prompt_len is None else prompt_len])
-            states.append([placed is not None, self.num_free_blocks(), self._held(seq_id), tokens])
-            return placed
-
-        def extend(self, seq_id: int, num_slots: int) -> bool:
-            q = self.num_requested(seq_id) + num_slots
-            ok = super().extend(seq_id, num_slots)
-            ops.append(["e", seq_id, q])
-            states.append([ok, self.num_free_blocks(), self._held(seq_id), None])
-            return ok
-
-        def cache_blocks(self, seq_id: int, keys: list[int]) -> None:
-            super().cache_blocks(seq_id, keys)
-            ops.append(["c", seq_id, len(keys) * self.block_size])
-            states.append([True, self.num_free_blocks(), self._held(seq_id), None])
-
-        def free(self, seq_id: int) -> None:
-            super().free(seq_id)
-            ops.append(["f", seq_id])
-            states.append([True, self.num_free_blocks(), self._held(seq_id), None])
-
-        def _held(self, seq: int) -> list[int]:
-            return self.blocks_held(seq) if seq in self._live else [0] * len(self.rows)
-
-        def advance_many(self, seqs, targets, moves=None) -> None:  # type: ignore[no-untyped-def]
-            for seq, target in zip(seqs.tolist(), targets.tolist(), strict=True):
-                if not self.extend(seq, target - self.num_requested(seq)):
-                    raise AssertionError("batched growth failed")
-
-    originals = hybrid.VllmHybridManager, hybrid.VllmPrefixManager
-    hybrid.VllmHybridManager, hybrid.VllmPrefixManager = Recording, RecordingPrefix  # type: ignore[misc]
-    try:
-        spec = RunSpec(trace=trace, model=model_name, gpu=gpu_name, max_seq_len=max_seq_len,
-                       num_requests=num_requests, kv_cache_memory_bytes=pool, exact_steps=True,
-                       tp=8 if get_model(model_name).weight_bytes > 100e9 else 1,
-                       prefix_caching=prefix_caching,
-                       max_num_batched_tokens=8192 if prefix_caching else None)
-        engine = make_engine(load_workload(spec), "vllm-hybrid", spec)
-        engine.run()
-    finally:
-        hybrid.VllmHybridManager, hybrid.VllmPrefixManager = originals  # type: ignore[misc]
-    return engine.alloc.plan, ops, states  # type: ignore[attr-defined]
+    spec = RunSpec(trace=trace, model=model_name, gpu=gpu_name, max_seq_len=max_seq_len,
+                   num_requests=num_requests, kv_cache_memory_bytes=pool, exact_steps=True,
+                   tp=8 if get_model(model_name).weight_bytes > 100e9 else 1,
+                   prefix_caching=prefix_caching,
+                   max_num_batched_tokens=8192 if prefix_caching else None)
+    engine = make_engine(load_workload(spec), "vllm-hybrid", spec)
+    m = engine.kv.manager  # type: ignore[attr-defined]
+    m.on_op = record
+    engine.run()
+    return m.plan, ops, states
 
 
 def compare_replay(ours: list[list], theirs: list[list], ops: list[list],

@@ -59,11 +59,11 @@ class Kind:
 
     def skipped(self, computed: T) -> T:
         """Leading tokens the next token no longer reads, with ``computed`` computed."""
-        return computed * 0  # type: ignore[operator,no-any-return]
+        return computed * 0  # type: ignore[operator,no-any-return,return-value]
 
     def skipped_blocks(self, computed: T, block_size: int) -> T:
         """Leading blocks wholly skipped, with ``computed`` computed."""
-        return self.skipped(computed) // block_size  # type: ignore[operator,no-any-return]
+        return self.skipped(computed) // block_size  # type: ignore[operator,no-any-return,return-value]
 
     def next_skip(self, skipped_blocks: T, block_size: int) -> T:
         """The computed length at which block ``skipped_blocks`` is skipped too."""
@@ -105,11 +105,11 @@ class Sliding(Kind):
     frees = True
 
     def skipped(self, computed: T) -> T:
-        return clip0(computed - (self.window - 1))  # type: ignore[operator]
+        return clip0(computed - (self.window - 1))  # type: ignore[operator,return-value]
 
     def next_skip(self, skipped_blocks: T, block_size: int) -> T:
         # the least f with (f − W + 1) // B >= skipped_blocks + 1
-        return (skipped_blocks + 1) * block_size + (self.window - 1)  # type: ignore[operator,no-any-return]
+        return (skipped_blocks + 1) * block_size + (self.window - 1)  # type: ignore[operator,no-any-return,return-value]
 
     def max_blocks(self, max_len: int, block_size: int, in_flight: int) -> int:
         # vLLM's SlidingWindowSpec: the window less one, the tokens in flight, and one
@@ -129,11 +129,11 @@ class Chunked(Kind):
     frees = True
 
     def skipped(self, computed: T) -> T:
-        return computed // self.chunk * self.chunk  # type: ignore[operator,no-any-return]
+        return computed // self.chunk * self.chunk  # type: ignore[operator,no-any-return,return-value]
 
     def next_skip(self, skipped_blocks: T, block_size: int) -> T:
         # the least f with f // C · C >= (skipped_blocks + 1) · B
-        return cdiv((skipped_blocks + 1) * block_size, self.chunk) * self.chunk  # type: ignore[operator,no-any-return]
+        return cdiv((skipped_blocks + 1) * block_size, self.chunk) * self.chunk  # type: ignore[operator,no-any-return,return-value]
 
     def max_blocks(self, max_len: int, block_size: int, in_flight: int) -> int:
         return cdiv(min(self.chunk + in_flight, max_len), block_size)  # type: ignore[no-any-return]

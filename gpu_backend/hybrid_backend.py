@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from fragsim.engine_views import live_sequences
-from fragsim.hybrid.base import CATEGORIES
+from fragsim.hybrid.groups import CATEGORIES
 from gpu_backend.hybrid_pool import HybridPool
 from gpu_backend.pool import ValidationError, kv_values, query_values
 

@@ -3,7 +3,7 @@ small models the validator lays out that way.
 
 The pool is one flat buffer of ``capacity`` bytes. A manager's *rows* (vLLM's KV
 cache groups, Jenga's and the static partition's layer kinds, see
-:mod:`fragsim.hybrid.base`) each number their blocks, and every layer ``j`` of row
+:mod:`fragsim.hybrid.manager`) each number their blocks, and every layer ``j`` of row
 ``r`` finds block ``b`` at one byte address::
 
     address(r, j, b) = layer_base[r][j] + b * block_stride[r]
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from fragsim.hybrid.base import HybridManager
+from fragsim.hybrid.manager import HybridManager
 from fragsim.kinds import rule_of
 from fragsim.layers import STATE_KINDS, LayerSpec, StateShape
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from fragsim.hybrid.base import (
+from fragsim.hybrid.groups import (
     CATEGORIES,
     FREE,
     INTERNAL,

@@ -265,7 +265,7 @@ def run_hybrid_validation(spec: RunSpec, allocator: str, *, device: str = "cpu",
 
 def _hybrid_table(records: list[Any], labels: list[str]) -> list[dict[str, Any]]:
     """Per row and category: mean bytes simulated and measured (each step must match)."""
-    from fragsim.hybrid.base import CATEGORIES
+    from fragsim.hybrid.groups import CATEGORIES
 
     if not records:
         return []

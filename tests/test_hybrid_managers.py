@@ -15,13 +15,14 @@ from fragsim.catalog import get_gpu, get_model
 from fragsim.hybrid import (
     CATEGORIES,
     MANAGERS,
+    Group,
+    HybridManager,
     JengaManager,
     PagedUniformManager,
-    Row,
     StaticPartitionManager,
     VllmHybridManager,
     create_manager,
-    kind_rows,
+    kind_groups,
 )
 from fragsim.hybrid.jenga import large_page
 from fragsim.vllm_plan import plan_vllm
@@ -64,9 +65,9 @@ def test_vllm_hybrid_pool_is_vllms() -> None:
 
 def test_split_categories_by_hand() -> None:
     """One sliding row (W = 8, blocks of 4) and one full row; numbers worked on paper."""
-    rows = (Row(kind="sliding", label="sliding 8", num_layers=1, block_bytes=4 * 10, block_tokens=4,
+    rows = (Group(kind="sliding", label="sliding 8", num_layers=1, block_bytes=4 * 10, block_tokens=4,
                 token_bytes=10, window=8),
-            Row(kind="full", label="full", num_layers=1, block_bytes=4 * 10, block_tokens=4,
+            Group(kind="full", label="full", num_layers=1, block_bytes=4 * 10, block_tokens=4,
                 token_bytes=10))
     m = StaticPartitionManager(rows, 10_000, max_seq_len=64, step_tokens=64)
     m.bind_finals(np.array([22]))
@@ -86,7 +87,7 @@ def test_split_categories_by_hand() -> None:
     assert (split == m.split_slow(np.array([0]), np.array([19]))).all()
     assert split.sum() == m.capacity
     # Paged-uniform keeps the window's blocks: out-of-window shows instead.
-    rows_u = tuple(Row(**{**r.__dict__, "frees_window": False}) for r in rows)
+    rows_u = tuple(Group(**{**r.__dict__, "frees_window": False}) for r in rows)
     u = PagedUniformManager(rows_u, 10_000, max_seq_len=64, max_num_seqs=4)
     u.bind_finals(np.array([22]))
     u.allocate(0, 20)
@@ -96,8 +97,8 @@ def test_split_categories_by_hand() -> None:
 
 
 def test_jenga_large_page_is_the_lcm() -> None:
-    rows = (Row(kind="full", label="a", num_layers=1, block_bytes=2048, block_tokens=16, token_bytes=128),
-            Row(kind="sliding", label="b", num_layers=1, block_bytes=3072, block_tokens=16,
+    rows = (Group(kind="full", label="a", num_layers=1, block_bytes=2048, block_tokens=16, token_bytes=128),
+            Group(kind="sliding", label="b", num_layers=1, block_bytes=3072, block_tokens=16,
                 token_bytes=192, window=64))
     lcm, padded = large_page(rows)
     assert lcm == 6144 and [r.block_bytes for r in padded] == [2048, 3072]
@@ -106,11 +107,11 @@ def test_jenga_large_page_is_the_lcm() -> None:
 
 
 def test_jenga_places_a_request_in_its_own_large_pages() -> None:
-    rows = (Row(kind="full", label="full", num_layers=1, block_bytes=64, block_tokens=4, token_bytes=16),)
+    rows = (Group(kind="full", label="full", num_layers=1, block_bytes=64, block_tokens=4, token_bytes=16),)
     m = JengaManager(rows, 64 * 4 * 3, max_seq_len=64)  # large page = 64: one small page each
     assert m.large_page_bytes == 64
-    big = (Row(kind="full", label="a", num_layers=1, block_bytes=64, block_tokens=4, token_bytes=16),
-           Row(kind="mamba", label="m", num_layers=1, block_bytes=256, state_bytes=200))
+    big = (Group(kind="full", label="a", num_layers=1, block_bytes=64, block_tokens=4, token_bytes=16),
+           Group(kind="mamba", label="m", num_layers=1, block_bytes=256, state_bytes=200))
     m = JengaManager(big, 256 * 4, max_seq_len=64)
     assert m.large_page_bytes == 256 and m.per_large == [4, 1]
     m.allocate(0, 4)
@@ -143,22 +144,22 @@ def test_every_manager_builds_and_splits_exactly(name: str, model_name: str) -> 
 
 # ------------------------------------------------------------ state machines
 
-def _rows(kind: str) -> tuple[Row, ...]:
-    full = Row(kind="full", label="full", num_layers=2, block_bytes=4 * 24, block_tokens=4, token_bytes=24)
-    sliding = Row(kind="sliding", label="sliding 6", num_layers=3, block_bytes=4 * 36, block_tokens=4,
+def _rows(kind: str) -> tuple[Group, ...]:
+    full = Group(kind="full", label="full", num_layers=2, block_bytes=4 * 24, block_tokens=4, token_bytes=24)
+    sliding = Group(kind="sliding", label="sliding 6", num_layers=3, block_bytes=4 * 36, block_tokens=4,
                   token_bytes=36, window=6)
-    chunked = Row(kind="chunked", label="chunked 8", num_layers=1, block_bytes=4 * 12, block_tokens=4,
+    chunked = Group(kind="chunked", label="chunked 8", num_layers=1, block_bytes=4 * 12, block_tokens=4,
                   token_bytes=12, chunk=8)
-    state = Row(kind="mamba", label="mamba", num_layers=2, block_bytes=100, state_bytes=100)
+    state = Group(kind="mamba", label="mamba", num_layers=2, block_bytes=100, state_bytes=100)
     if kind == "uniform":
-        return tuple(Row(**{**r.__dict__, "frees_window": False}) for r in (full, sliding, chunked)) + (state,)
+        return tuple(Group(**{**r.__dict__, "frees_window": False}) for r in (full, sliding, chunked)) + (state,)
     return full, sliding, chunked, state
 
 
-def _padded_plan_rows(rows: tuple[Row, ...]) -> tuple[Row, ...]:
+def _padded_plan_rows(rows: tuple[Group, ...]) -> tuple[Group, ...]:
     """Rows as vLLM would pad them: one page for all, blocks of 4 tokens."""
     page = max(r.block_bytes for r in rows)
-    return tuple(Row(**{**r.__dict__, "block_bytes": page}) for r in rows)
+    return tuple(Group(**{**r.__dict__, "block_bytes": page}) for r in rows)
 
 
 def _make(kind: str, capacity: int) -> object:
@@ -171,7 +172,7 @@ def _make(kind: str, capacity: int) -> object:
     if kind == "jenga_carved":  # a few large pages, each of 3 full or 2 sliding small pages
         return JengaManager(_rows("jenga")[:2], capacity, max_seq_len=64)
     if kind == "jenga_equal":  # equal pages: a small page is a whole large page
-        equal = tuple(Row(**{**r.__dict__, "block_bytes": 144}) for r in _rows("jenga"))
+        equal = tuple(Group(**{**r.__dict__, "block_bytes": 144}) for r in _rows("jenga"))
         return JengaManager(equal, capacity, max_seq_len=64)
     return _VllmLike(_padded_plan_rows(_rows(kind)), capacity)
 
@@ -179,9 +180,7 @@ def _make(kind: str, capacity: int) -> object:
 class _VllmLike(VllmHybridManager):
     """The vLLM manager over hand-made rows (no plan needed for the pool logic)."""
 
-    def __init__(self, rows: tuple[Row, ...], capacity: int) -> None:
-        from fragsim.hybrid.base import HybridManager
-
+    def __init__(self, rows: tuple[Group, ...], capacity: int) -> None:
         HybridManager.__init__(self, name="vllm-hybrid", placement="vllm-hybrid", rows=rows,
                                capacity=capacity, max_seq_len=64)
         self.bytes_per_block = rows[0].block_bytes
@@ -297,8 +296,8 @@ for _kind in ("uniform", "vllm", "jenga", "jenga_carved", "jenga_equal", "static
     globals()[f"TestStateMachine_{_kind}"] = _cls.TestCase
 
 
-def test_kind_rows_of_gpt_oss() -> None:
-    rows = kind_rows(get_model("gpt-oss-120b"))
+def test_kind_groups_of_gpt_oss() -> None:
+    rows = kind_groups(get_model("gpt-oss-120b"))
     assert [r.label for r in rows] == ["sliding 128", "full"]
     assert rows[0].num_layers == rows[1].num_layers == 18
 
@@ -357,10 +356,10 @@ def test_recorded_sums_refuse_a_broken_split(kind: str) -> None:
     assert (token, free) == (split[:, CATEGORIES.index("token_states")].sum(), split[:, CATEGORIES.index("free")].sum())
     assert elsewhere == split[:, [CATEGORIES.index(c) for c in ("internal_fragmentation", "padding",
                                                                 "out_of_window")]].sum()
-    m.held_blocks[0] += 1   # a block held that no sequence has
+    m.state.held[0] += 1   # a block held that no sequence has
     with pytest.raises(AssertionError, match="sums to"):
         m._basis(computed, int(computed.sum()))
-    m.held_blocks[0] -= 1
-    m._tail[0] = -4
+    m.state.held[0] -= 1
+    m.state.tail[0] = -4
     with pytest.raises(AssertionError, match="negative"):
         m._basis(computed, int(computed.sum()))

@@ -10,51 +10,26 @@
 ``paged-uniform`` allocates every layer for every token (engines before hybrid
 support); ``vllm-hybrid`` is vLLM 0.33's hybrid KV cache manager; ``jenga`` is
 Jenga's two-level allocator; ``static-partition`` gives each kind its own pool.
-:mod:`fragsim.hybrid.base` defines the rows and the byte split they share.
+:mod:`fragsim.hybrid.groups` defines the groups, :mod:`fragsim.hybrid.manager` what each
+sequence holds in them and the byte split.
 """
 
 from __future__ import annotations
 
 from fragsim.catalog import GPUConfig, ModelConfig
-from fragsim.hybrid.base import CATEGORIES, POOL, HybridManager, Row
+from fragsim.hybrid.groups import CATEGORIES, POOL, Group, kind_groups
 from fragsim.hybrid.jenga import JengaManager
+from fragsim.hybrid.manager import HybridManager
 from fragsim.hybrid.paged_uniform import PagedUniformManager
 from fragsim.hybrid.static_partition import StaticPartitionManager
 from fragsim.hybrid.vllm_hybrid import VllmHybridManager
 from fragsim.hybrid.vllm_prefix import VllmPrefixManager
-from fragsim.layers import STATE_KINDS
 
 MANAGERS = ("paged-uniform", "vllm-hybrid", "jenga", "static-partition")
 
-__all__ = ["CATEGORIES", "MANAGERS", "POOL", "HybridManager", "JengaManager", "PagedUniformManager",
-           "Row", "StaticPartitionManager", "VllmHybridManager", "VllmPrefixManager", "create_manager",
-           "kind_rows"]
-
-
-def kind_rows(model: ModelConfig, *, tp: int = 1, block_size: int = 16,
-              frees_window: bool = True) -> tuple[Row, ...]:
-    """One row per layer kind (sliding windows and chunk sizes apart), in order of
-    first appearance; a block is ``block_size`` tokens of the row's layers, a
-    state row's block one sequence's states."""
-    groups: dict[str, list] = {}
-    for layer in model.layer_specs:
-        if layer.kind == "shared":
-            continue
-        groups.setdefault(layer.label(), []).append(layer)
-    rows = []
-    for label, layers in groups.items():
-        first = layers[0]
-        if first.kind in STATE_KINDS:
-            state = sum(la.state_bytes(model.dtype_bytes, tp) for la in layers)
-            rows.append(Row(kind=first.kind, label=label, num_layers=len(layers),
-                            block_bytes=state, state_bytes=state))
-        else:
-            per_token = sum(la.bytes_per_token(model.kv_dtype_bytes, tp) for la in layers)
-            rows.append(Row(kind=first.kind, label=label, num_layers=len(layers),
-                            block_bytes=block_size * per_token, block_tokens=block_size,
-                            token_bytes=per_token, window=first.window, chunk=first.chunk,
-                            frees_window=frees_window))
-    return tuple(rows)
+__all__ = ["CATEGORIES", "MANAGERS", "POOL", "Group", "HybridManager", "JengaManager", "PagedUniformManager",
+           "StaticPartitionManager", "VllmHybridManager", "VllmPrefixManager", "create_manager",
+           "kind_groups"]
 
 
 def create_manager(name: str, model: ModelConfig, gpu: GPUConfig, *, pool_bytes: int,
@@ -86,10 +61,10 @@ def create_manager(name: str, model: ModelConfig, gpu: GPUConfig, *, pool_bytes:
         return VllmHybridManager(plan, max_seq_len=max_seq_len, track_ids=track_ids)
     bs = 16 if block_size is None else block_size
     if name == "paged-uniform":
-        return PagedUniformManager(kind_rows(model, tp=tp, block_size=bs, frees_window=False),
+        return PagedUniformManager(kind_groups(model, tp=tp, block_size=bs, frees_window=False),
                                    pool_bytes, max_seq_len=max_seq_len, max_num_seqs=max_num_seqs,
                                    track_ids=track_ids)
-    rows = kind_rows(model, tp=tp, block_size=bs)
+    rows = kind_groups(model, tp=tp, block_size=bs)
     if name == "jenga":
         return JengaManager(rows, pool_bytes, max_seq_len=max_seq_len, track_ids=track_ids)
     # Prompts are placed whole at admission, so a step computes up to a whole prompt.

@@ -32,10 +32,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from fragsim.hybrid.base import HybridManager, Row, one_pool_admits, one_pool_fits
+from fragsim.hybrid.groups import Group
+from fragsim.hybrid.manager import HybridManager, one_pool_admits, one_pool_fits
 
 
-def large_page(rows: tuple[Row, ...], max_large_ratio: int = 16) -> tuple[int, tuple[Row, ...]]:
+def large_page(rows: tuple[Group, ...], max_large_ratio: int = 16) -> tuple[int, tuple[Group, ...]]:
     """The large page's bytes and the rows with their (maybe padded) small pages."""
     pages = [r.block_bytes for r in rows]
     largest = max(pages)
@@ -52,7 +53,7 @@ def large_page(rows: tuple[Row, ...], max_large_ratio: int = 16) -> tuple[int, t
 class JengaManager(HybridManager):
     """Two-level allocation: large pages for kinds, small pages for requests."""
 
-    def __init__(self, rows: tuple[Row, ...], capacity: int, *, max_seq_len: int,
+    def __init__(self, rows: tuple[Group, ...], capacity: int, *, max_seq_len: int,
                  max_large_ratio: int = 16, name: str = "jenga", track_ids: bool = True) -> None:
         self.large_page_bytes, padded = large_page(rows, max_large_ratio)
         super().__init__(name=name, placement="jenga", rows=padded, capacity=capacity,
@@ -256,9 +257,9 @@ class JengaManager(HybridManager):
                 tables[i].extend(self._take_small(seq, i, reserved, t))
         return True
 
-    def _release(self, seq: int) -> None:
+    def _release(self, seq: int, held: list[int]) -> None:
         if not self.tracks_ids:
-            self._free_count += int((self._hi[:, seq] - self._lo[:, seq]).sum())
+            self._free_count += sum(held)
             return
         for i, table in enumerate(self._tables.pop(seq, [])):
             if table:
@@ -322,6 +323,8 @@ class JengaManager(HybridManager):
 
     def _fits_empty(self, takes: list[int]) -> bool:
         return sum(-(-t // p) for t, p in zip(takes, self.per_large, strict=True)) <= self.num_large
+
+    largest_is_free = False
 
     def largest_allocatable(self) -> int:
         """Whole free large pages: what any kind can still be given."""

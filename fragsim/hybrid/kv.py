@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from fragsim.engine_config import EngineConfig
-from fragsim.hybrid.base import (
+from fragsim.hybrid.manager import (
     CATEGORIES,
     FREE,
     INTERNAL,
@@ -16,7 +16,7 @@ from fragsim.hybrid.base import (
     PADDING,
     TOKEN,
     HybridManager,
-    kind_of_rows,
+    kind_of_groups,
 )
 from fragsim.hybrid.split import SplitRecorder
 from fragsim.kv.protocol import Admitted, Hit, LiveView, Rows, StretchMemory
@@ -76,9 +76,9 @@ class HybridKV:
         self.block_size = manager.block_size
         self.prefix = HybridPrefix(manager, prefix_keys) if prefix_keys is not None else None
         self._finals = np.zeros(0, dtype=np.int64)
-        self._basis = manager._basis if type(manager).split is HybridManager.split else None
-        self._largest_is_free = type(manager).largest_allocatable is HybridManager.largest_allocatable
-        self.split_rec = SplitRecorder(manager.labels, kind_of_rows(manager.rows), manager.capacity,
+        self._basis = manager._basis if manager.split_is_linear else None
+        self._largest_is_free = manager.largest_is_free
+        self.split_rec = SplitRecorder(manager.labels, kind_of_groups(manager.rows), manager.capacity,
                                        resolution_s, manager.split_basis() if self._basis is not None else None)
 
     def validate(self, config: EngineConfig) -> None:
@@ -130,11 +130,7 @@ class HybridKV:
 
     def grow(self, seq: int, target: int) -> int | None:
         m = self.manager
-        if type(m).extend is HybridManager.extend:
-            return m._extend_owned(seq, target - m.num_requested(seq))
-        if not m.extend(seq, target - m.num_requested(seq)):
-            return None
-        return m.num_owned(seq)
+        return m._extend_owned(seq, target - m.num_requested(seq))
 
     def grow_many(self, seqs: list[int], targets: list[int], rooms: Sequence[int],
                   finals: Sequence[int]) -> list[int] | None:

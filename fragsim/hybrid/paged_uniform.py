@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from fragsim.hybrid.base import HybridManager, Row
+from fragsim.hybrid.groups import Group
+from fragsim.hybrid.manager import HybridManager
 
 
 class PagedUniformManager(HybridManager):
     """Uniform blocks for all attention layers; a static state slot per sequence."""
 
-    def __init__(self, rows: tuple[Row, ...], capacity: int, *, max_seq_len: int,
+    def __init__(self, rows: tuple[Group, ...], capacity: int, *, max_seq_len: int,
                  max_num_seqs: int, name: str = "paged-uniform", track_ids: bool = True) -> None:
         attention = [r for r in rows if not r.is_state]
         if len({r.block_tokens for r in attention}) > 1:
             raise ValueError("paged-uniform needs one block size for every attention row")
-        if any(r.frees_window for r in attention if r.windowed):
+        if any(r.frees_window for r in attention if r.rule.frees):
             raise ValueError("paged-uniform rows keep their out-of-window blocks (frees_window=False)")
         super().__init__(name=name, placement="paged-uniform", rows=rows, capacity=capacity,
                          max_seq_len=max_seq_len)
@@ -120,7 +121,7 @@ class PagedUniformManager(HybridManager):
             self._free_count -= sum(per_seq)
             self._free_slots -= states
             if self._free_count < 0 or self._free_slots < 0:
-                raise AssertionError("advance_many ran out of blocks it was told were free")
+                raise AssertionError("a move ran out of blocks it was told were free")
             return
         if self._states:
             states = [max(c) for c in zip(*(takes[i] for i in self._states), strict=True)]
@@ -128,7 +129,7 @@ class PagedUniformManager(HybridManager):
                 if n:
                     self._slot[seq] = self._state_free.pop(0)
         if sum(per_seq) > self.num_free_blocks():
-            raise AssertionError("advance_many ran out of blocks it was told were free")
+            raise AssertionError("a move ran out of blocks it was told were free")
         for seq, n in zip(seqs, per_seq, strict=True):
             if n:
                 self._take_blocks(seq, n)
@@ -149,13 +150,12 @@ class PagedUniformManager(HybridManager):
             head = 0
         self._head = head
 
-    def _release(self, seq: int) -> None:
+    def _release(self, seq: int, held: list[int]) -> None:
         if not self.tracks_ids:
             if self._attention:
-                i = self._attention[0]
-                self._free_count += int(self._hi[i, seq] - self._lo[i, seq])
+                self._free_count += held[self._attention[0]]
             if self._states:
-                self._free_slots += int(self._hi[self._states[0], seq] - self._lo[self._states[0], seq])
+                self._free_slots += held[self._states[0]]
             return
         self._queue.extend(self._blocks.pop(seq, []))
         if seq in self._slot:
@@ -187,6 +187,8 @@ class PagedUniformManager(HybridManager):
     def _fits_empty(self, takes: list[int]) -> bool:
         blocks, states = self._takes(takes)
         return blocks <= self.num_blocks and states <= self.num_state_slots
+
+    largest_is_free = False
 
     def largest_allocatable(self) -> int:
         """Free blocks: the free state slots hold nothing else."""

@@ -5,7 +5,7 @@ hybrid managers: the main recorder keeps the pool-wide four-way split (token
 states, reservation, everything else held, free) beside running, waiting and the
 external-fragmentation ratio; this one keeps the full
 ``rows × CATEGORIES`` matrix of :meth:`HybridManager.split
-<fragsim.hybrid.base.HybridManager.split>`, as exact time integrals and peaks,
+<fragsim.hybrid.manager.HybridManager.split>`, as exact time integrals and peaks,
 and per time bucket for the figures.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from fragsim.hybrid.base import CATEGORIES
+from fragsim.hybrid.groups import CATEGORIES
 
 
 class SplitRecorder:
@@ -64,7 +64,7 @@ class SplitRecorder:
 
     def record_sums(self, t: float, dt: float, sums: list[int], used_blocks: int) -> None:
         """One state held for ``dt`` from ``t``, given as the sums the split is linear in
-        (:meth:`HybridManager._basis <fragsim.hybrid.base.HybridManager._basis>`, which
+        (:meth:`HybridManager._basis <fragsim.hybrid.manager.HybridManager._basis>`, which
         checks the identity)."""
         if dt <= 0:
             return

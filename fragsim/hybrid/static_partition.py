@@ -22,28 +22,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from fragsim.hybrid.base import HybridManager, Row, cdiv
+from fragsim.hybrid.groups import Group
+from fragsim.hybrid.manager import HybridManager
+from fragsim.kinds import cdiv
 
 
-def max_blocks(row: Row, max_seq_len: int, step_tokens: int) -> int:
+def max_blocks(row: Group, max_seq_len: int, step_tokens: int) -> int:
     """Blocks of ``row`` one request of ``max_seq_len`` tokens holds at most, computing
-    up to ``step_tokens`` tokens a step."""
+    up to ``step_tokens`` tokens a step (its rule's :meth:`~fragsim.kinds.Kind.max_blocks`)."""
     if row.is_state:
         return 1
-    full = cdiv(max_seq_len, row.block_tokens)
-    if row.kind == "sliding" and row.frees_window:
-        assert row.window is not None
-        return min(full, cdiv(min(row.window - 1 + step_tokens, max_seq_len), row.block_tokens) + 1)
-    if row.kind == "chunked" and row.frees_window:
-        assert row.chunk is not None
-        return cdiv(min(row.chunk + step_tokens, max_seq_len), row.block_tokens)
-    return full
+    return min(cdiv(max_seq_len, row.block_tokens), row.holds.max_blocks(max_seq_len, row.block_tokens, step_tokens))
 
 
 class StaticPartitionManager(HybridManager):
     """One FIFO paged pool per row, in a fixed share of the memory."""
 
-    def __init__(self, rows: tuple[Row, ...], capacity: int, *, max_seq_len: int,
+    def __init__(self, rows: tuple[Group, ...], capacity: int, *, max_seq_len: int,
                  step_tokens: int, name: str = "static-partition", track_ids: bool = True) -> None:
         super().__init__(name=name, placement="static-partition", rows=rows, capacity=capacity,
                          max_seq_len=max_seq_len)
@@ -69,7 +64,7 @@ class StaticPartitionManager(HybridManager):
         k, R = len(takes), len(self.rows)
         free = np.zeros((k, R), dtype=np.int64)
         for i in range(R):
-            si = self._row_shape[i]
+            si = self.state.shape_of[i]
             free[:, i] = self._free_per_row[i] if si < 0 else \
                 self._free_per_row[i] + np.cumsum(frees[:, si] - takes[:, si])
         if k:
@@ -137,7 +132,7 @@ class StaticPartitionManager(HybridManager):
             for i, (row_frees, row_takes) in enumerate(zip(frees, takes, strict=True)):
                 count[i] += sum(row_frees) - sum(row_takes)
                 if count[i] < 0:
-                    raise AssertionError("advance_many ran out of blocks it was told were free")
+                    raise AssertionError("a move ran out of blocks it was told were free")
             return
         tables = self._tables
         for i, (row_frees, row_takes) in enumerate(zip(frees, takes, strict=True)):
@@ -150,9 +145,8 @@ class StaticPartitionManager(HybridManager):
                         mine = tables[seq] = [[] for _ in self.rows]
                     self._move(i, mine[i], f, t)
 
-    def _release(self, seq: int) -> None:
+    def _release(self, seq: int, held: list[int]) -> None:
         if not self.tracks_ids:
-            held = (self._hi[:, seq] - self._lo[:, seq]).tolist()
             self._free_per_row = [c + h for c, h in zip(self._free_per_row, held, strict=True)]
             return
         for queue, table in zip(self._free, self._tables.pop(seq, []), strict=False):
@@ -201,6 +195,8 @@ class StaticPartitionManager(HybridManager):
 
     def _fits_empty(self, takes: list[int]) -> bool:
         return all(t <= n for t, n in zip(takes, self.num_blocks, strict=True))
+
+    largest_is_free = False
 
     def largest_allocatable(self) -> int:
         """Free bytes a fresh request could use in proportion to the shares: the

@@ -28,23 +28,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from fragsim.hybrid.base import HybridManager, Row, one_pool_admits, one_pool_fits
+from fragsim.hybrid.groups import groups_of_plan
+from fragsim.hybrid.manager import HybridManager, one_pool_admits, one_pool_fits
 from fragsim.vllm_plan import VllmPlan
-
-
-def rows_of_plan(plan: VllmPlan) -> tuple[Row, ...]:
-    """One row per vLLM group; labels carry the group index where a kind repeats."""
-    labels = [g.kind if g.page.window is None else f"{g.kind} {g.page.window}" for g in plan.groups]
-    rows = []
-    for i, g in enumerate(plan.groups):
-        label = labels[i] if labels.count(labels[i]) == 1 else f"{labels[i]} (group {i})"
-        page = g.page
-        rows.append(Row(kind=g.kind, label=label, num_layers=g.num_layers,
-                        block_bytes=plan.bytes_per_block, block_tokens=page.block_size,
-                        token_bytes=g.num_layers * page.bytes_per_token,
-                        state_bytes=g.num_layers * page.state_bytes,
-                        window=page.window, chunk=page.chunk))
-    return tuple(rows)
 
 
 class VllmHybridManager(HybridManager):
@@ -55,7 +41,7 @@ class VllmHybridManager(HybridManager):
         if plan.num_gpu_blocks < 2:
             raise ValueError(f"the pool holds {plan.num_gpu_blocks} blocks of "
                              f"{plan.bytes_per_block:,} bytes; vLLM needs at least 2 (one is its null block)")
-        super().__init__(name=name, placement="vllm-hybrid", rows=rows_of_plan(plan),
+        super().__init__(name=name, placement="vllm-hybrid", rows=groups_of_plan(plan),
                          capacity=plan.kv_cache_memory_bytes, max_seq_len=max_seq_len)
         self.plan = plan
         self.bytes_per_block = plan.bytes_per_block
@@ -111,11 +97,11 @@ class VllmHybridManager(HybridManager):
             return
         self._free_count += sum(map(sum, frees)) - sum(map(sum, takes))
         if self._free_count < 0:
-            raise AssertionError("advance_many ran out of blocks it was told were free")
+            raise AssertionError("a move ran out of blocks it was told were free")
 
-    def _release(self, seq: int) -> None:
+    def _release(self, seq: int, held: list[int]) -> None:
         if not self.tracks_ids:
-            self._free_count += int((self._hi[:, seq] - self._lo[:, seq]).sum())
+            self._free_count += sum(held)
             return
         for table in self._tables.pop(seq, []):
             self._queue.extend(reversed(table))

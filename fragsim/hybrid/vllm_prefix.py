@@ -44,7 +44,7 @@ Where the bytes go
 ------------------
 Every holder of a shared block has stored all of it (a hit is of full, computed
 blocks; a block gets its key at the end of the step that computed it), so the
-per-sequence sums of :mod:`~fragsim.hybrid.base` count a block with ``ref``
+per-sequence sums of :mod:`~fragsim.hybrid.manager` count a block with ``ref``
 holders ``ref − 1`` times too often. With ``dup`` = Σ max(0, ref − 1) over a
 row's blocks, the row's padding is ``dup × padding_per_block`` too high and its
 token states plus out-of-window ``dup × B`` positions too high. A position of a
@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fragsim.hybrid.base import (
+from fragsim.hybrid.manager import (
     CATEGORIES,
     FREE,
     INTERNAL,
@@ -73,9 +73,10 @@ from fragsim.hybrid.base import (
     RESERVATION,
     TOKEN,
     HybridManager,
-    cdiv,
 )
+from fragsim.hybrid.state import Move
 from fragsim.hybrid.vllm_hybrid import VllmHybridManager
+from fragsim.kinds import cdiv
 from fragsim.vllm_plan import VllmPlan
 
 _FULL_KINDS = ("full", "mla")
@@ -98,6 +99,7 @@ class VllmPrefixManager(VllmHybridManager):
     """vLLM's hybrid groups over a block pool with prefix caching (always keeps ids)."""
 
     prefix_caching = True
+    split_is_linear = False   # shared blocks counted once: split() corrects the sums
 
     def __init__(self, plan: VllmPlan, *, max_seq_len: int, name: str = "vllm-hybrid") -> None:
         super().__init__(plan, max_seq_len=max_seq_len, name=name, track_ids=True)
@@ -118,7 +120,7 @@ class VllmPrefixManager(VllmHybridManager):
         # Spec groups (vLLM's attention_groups): rows of one shape look up together,
         # full attention first.
         specs: dict[int, list[int]] = {}
-        for i, shape in enumerate(self._shape):
+        for i, shape in enumerate(self.state.shape_of):
             specs.setdefault(shape, []).append(i)
         self._specs = sorted(specs.values(), key=lambda rows: self.rows[rows[0]].kind not in _FULL_KINDS)
 
@@ -194,16 +196,13 @@ class VllmPrefixManager(VllmHybridManager):
                 table.extend(self._take_blocks(i, n))
         return True
 
-    def _place_many(self, seqs: np.ndarray, frees: np.ndarray, takes: np.ndarray) -> None:
-        HybridManager._place_many(self, seqs, frees, takes)
-
     def _place_moves(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
         HybridManager._place_moves(self, seqs, frees, takes)
 
     def _fits_moves(self, takes: list[list[int]], frees: list[list[int]]) -> bool:
         return HybridManager._fits_moves(self, takes, frees)
 
-    def _release(self, seq: int) -> None:
+    def _release(self, seq: int, held: list[int]) -> None:
         for i, table in enumerate(self._tables.pop(seq, [])):
             self._free_blocks(i, table[::-1])
         self._cached_upto.pop(seq, None)
@@ -286,9 +285,11 @@ class VllmPrefixManager(VllmHybridManager):
         blocks: list[tuple[int, ...]] = [()] * len(self.rows)
         for rows in self._specs:
             row = self.rows[rows[0]]
-            lo = row.lo_blocks(hit)
+            lo = row.holds.skipped_blocks(hit, row.block_tokens)
             for r in rows:
                 blocks[r] = tuple(self._cache[r][k][0] for k in keys[lo:hit // b])
+        if self.on_op is not None:
+            self.on_op(["l", list(keys), max_len, hit], True, -1)
         return Hit(hit, tuple(blocks), by_kind, longest if longest > hit else 0)
 
     def allocate(self, seq_id: int, num_slots: int, hit: Hit | None = None,
@@ -303,14 +304,16 @@ class VllmPrefixManager(VllmHybridManager):
         h = hit.tokens if hit is not None else 0
         if h >= num_slots:
             raise ValueError(f"a hit of {h} tokens leaves nothing to compute of {num_slots}")
-        self._ensure(seq_id)
         b = self.block_size
-        new_lo = [r.lo_blocks(h) for r in self.rows]
+        move = Move([sh.rule.skipped_blocks(h, b) for sh in self.state.shapes],
+                    [cdiv(num_slots, b)] * len(self.state.shapes), [], [])
         new_hi = [cdiv(num_slots, b)] * len(self.rows)
         takes = [hi - h // b for hi in new_hi]
         hits = hit.blocks if hit is not None else ((),) * len(self.rows)
         evictable = sum(int((self._ref[list(blocks)] == 0).sum()) for blocks in hits if blocks)
         if sum(takes) + evictable > len(self._free):
+            if self.on_op is not None:
+                self.on_op(["a", seq_id, num_slots, self._final(seq_id), prompt_len], False, seq_id)
             return None
         tables = self._tables[seq_id] = [list(blocks) for blocks in hits]
         for i, blocks in enumerate(hits):
@@ -320,26 +323,15 @@ class VllmPrefixManager(VllmHybridManager):
         self._cached_upto[seq_id] = h // b
         prompt = num_slots - 1 if prompt_len is None else prompt_len
         self._bounds[seq_id] = (prompt - 1, hit.junction if hit is not None else 0)
-        self._live[seq_id] = None
-        self._lo[:, seq_id] = 0
-        self._hi[:, seq_id] = 0
-        self._commit(seq_id, num_slots, new_lo, new_hi)
+        self.state.start(seq_id, self._final(seq_id), num_slots, move)
+        if self.on_op is not None:
+            self.on_op(["a", seq_id, num_slots, self._final(seq_id), prompt_len], True, seq_id)
         return self.placement(seq_id)
 
-    def extend(self, seq_id: int, num_slots: int) -> bool:
-        if seq_id not in self._live:
-            raise ValueError(f"extend of unknown sequence {seq_id}")
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
-        q = int(self._q[seq_id]) + num_slots
-        new_lo, new_hi, frees, takes = self._target(q, q - 1, self._lo[:, seq_id], self._hi[:, seq_id])
-        if (any(frees) or any(takes)) and not self._place(seq_id, frees, takes):
-            # The window's blocks went back before the check failed, as in vLLM.
-            old_hi = [int(h) for h in self._hi[:, seq_id]]
-            self._commit(seq_id, int(self._q[seq_id]), new_lo, old_hi)
-            return False
-        self._commit(seq_id, q, new_lo, new_hi)
-        return True
+    def _extend_failed(self, seq_id: int, move: Move) -> None:
+        """The window's blocks went back before the check failed, as in vLLM."""
+        st = self.state
+        st.commit(seq_id, int(st.q[seq_id]), Move(move.lo, st.hi[:, seq_id].tolist(), [], []))
 
     def _kept(self, seq_id: int, row: int, start: int, end: int) -> list[int]:
         """Block positions in ``[start, end)`` that row ``row`` keys. A sliding window
@@ -363,12 +355,17 @@ class VllmPrefixManager(VllmHybridManager):
         """Give the sequence's blocks of the positions of ``keys`` their keys (the end
         of the step that computed them); blocks already keyed, and positions the
         sequence no longer holds, are left alone."""
+        self._cache_blocks(seq_id, keys)
+        if self.on_op is not None:
+            self.on_op(["c", seq_id, len(keys) * self.block_size], True, seq_id)
+
+    def _cache_blocks(self, seq_id: int, keys: list[int]) -> None:
         start = self._cached_upto.get(seq_id, 0)
         if start >= len(keys):
             return
         tables = self._tables[seq_id]
         for i, table in enumerate(tables):
-            lo = int(self._lo[i, seq_id])
+            lo = self.first_block(seq_id, i)
             cache = self._cache[i]
             for k in self._kept(seq_id, i, max(start, lo), len(keys)):
                 block = table[k - lo]
@@ -385,8 +382,8 @@ class VllmPrefixManager(VllmHybridManager):
         """Out-of-window positions row ``i`` counts more than once: per shared block,
         Σ over holders of its positions before their window, less the least of them."""
         row, b = self.rows[i], self.rows[i].block_tokens
-        start = row.window_start(computed)
-        lo = self._lo[i, seqs]
+        start = row.rule.skipped(computed)
+        lo = self.state.lo[self.state.shape_of[i], seqs]
         has = np.flatnonzero(start > lo * b)
         if not len(has):
             return 0
@@ -416,7 +413,7 @@ class VllmPrefixManager(VllmHybridManager):
             if not dup:
                 continue
             out[i, PADDING] -= dup * row.padding_per_block
-            excess = self._oow_excess(i, seqs, computed) if row.windowed else 0
+            excess = self._oow_excess(i, seqs, computed) if row.rule.frees else 0
             out[i, TOKEN] -= (dup * row.block_tokens - excess) * row.token_bytes
             out[i, OUT_OF_WINDOW] -= excess * row.token_bytes
         return out
@@ -431,10 +428,11 @@ class VllmPrefixManager(VllmHybridManager):
             b, tb = row.block_tokens, row.token_bytes
             holders: dict[int, list[tuple[int, int, int, int]]] = {}   # block -> (pos, f, start, final)
             for seq, f in zip(seqs.tolist(), computed.tolist(), strict=True):
-                lo, hi = int(self._lo[i, seq]), int(self._hi[i, seq])
+                lo = self.first_block(seq, i)
+                hi = lo + self.blocks_held(seq)[i]
                 table = self._tables[seq][i]
                 assert len(table) == hi - lo, (seq, row.label)
-                start = int(row.window_start(np.array([f]))[0])
+                start = row.rule.skipped(f)
                 final = self._final(seq)
                 assert f <= hi * b and 0 <= f <= final, (seq, f, hi, final)
                 for t, block in enumerate(table):
@@ -483,7 +481,7 @@ class VllmPrefixManager(VllmHybridManager):
     def _shared_limit(self, seqs: np.ndarray, filled0: np.ndarray, k: int) -> int:
         limit = k
         for i, row in enumerate(self.rows):
-            if not self.dup[i] or not row.windowed:
+            if not self.dup[i] or not row.rule.frees:
                 continue
             for seq, f0 in zip(seqs.tolist(), filled0.tolist(), strict=True):
                 table = self._tables[seq][i]
@@ -495,8 +493,7 @@ class VllmPrefixManager(VllmHybridManager):
                 t = int(shared[0])
                 if t == 0:
                     return 0
-                at = row.next_free_at(int(self._lo[i, seq]) + t - 1)
-                assert at is not None
+                at = row.holds.next_skip(self.first_block(seq, i) + t - 1, row.block_tokens)
                 limit = min(limit, max(0, at - f0))
                 if limit == 0:
                     return 0

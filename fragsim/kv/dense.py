@@ -34,7 +34,7 @@ import numpy as np
 from fragsim.allocators import Allocator, Extent, reserve_slots
 from fragsim.engine_config import EngineConfig
 from fragsim.kv import dense_stretch
-from fragsim.kv.protocol import Admitted, Hit, LiveView, Rows, StretchMemory
+from fragsim.kv.protocol import Admitted, Hit, LiveView, PrefixCache, Rows, StretchMemory
 from fragsim.kv.sharing import DensePrefixCache, admit_group
 from fragsim.metrics import Recorder
 from fragsim.prefix import PrefixKeys
@@ -60,13 +60,14 @@ class DenseKV:
         if prefix_keys is not None and not self.shares:
             raise ValueError(f"prefix caching needs a paged allocator that can share blocks, "
                              f"not {allocator.name!r}")
-        self.prefix = DensePrefixCache(allocator, prefix_keys) if prefix_keys is not None else None
+        self.prefix: PrefixCache | None = \
+            DensePrefixCache(allocator, prefix_keys) if prefix_keys is not None else None
         self.owned_total = 0
         self.internal_total = 0
         self.shared_slots = 0
         self._final: dict[int, int] = {}
         #: the recorder compares its free count with the allocator's at every record
-        self.free_probe = allocator.num_free
+        self.free_probe: Callable[[], int] | None = allocator.num_free
         # The paged allocator's batched growth (all or none); others grow one by one.
         self._extend_many: Callable[[list[int], list[int]], list[int] | None] | None = \
             getattr(allocator, "extend_many", None)
@@ -274,10 +275,10 @@ class DenseKV:
     def check(self, live: LiveView) -> None:
         """The totals against every sequence's, and the allocator's own invariants."""
         alloc = self.alloc
-        live = alloc.seq_ids()
-        assert sorted(live) == sorted(self._final), "sequences drifted"
-        owned = sum(alloc.num_owned(s) for s in live)
-        internal = sum(max(0, alloc.num_owned(s) - self._final[s]) for s in live)
+        seqs = alloc.seq_ids()
+        assert sorted(seqs) == sorted(self._final), "sequences drifted"
+        owned = sum(alloc.num_owned(s) for s in seqs)
+        internal = sum(max(0, alloc.num_owned(s) - self._final[s]) for s in seqs)
         assert owned == self.owned_total, (owned, self.owned_total)
         assert internal == self.internal_total, (internal, self.internal_total)
         if self.shares:
