@@ -245,7 +245,7 @@ class _Shared:
 
 @dataclass
 class SharedDeviceBackend(DeviceBackend):
-    """The device side of a :class:`~fragsim.sharing.SharingEngine` run.
+    """The device side of a run with block sharing (samples, beams, prefix caching: :mod:`fragsim.kv.sharing`).
 
     A slot may have several holders, so the device keeps a reference count per slot
     (``ref``, recomputed from every live block table each step) beside the pool's
