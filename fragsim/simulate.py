@@ -283,11 +283,11 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
         raise FragsimError(str(exc)) from None
     kv: Any = allocator
     if hybrid:
-        from fragsim.hybrid.kv import HybridKV
+        from fragsim.kv.hybrid import HybridKV
         from fragsim.prefix import PrefixKeys
 
         keys = PrefixKeys(trace, allocator.block_size) if spec.prefix_caching and \
-            getattr(allocator, "prefix_caching", False) else None
+            getattr(allocator, "prefix", None) is not None else None
         kv = HybridKV(allocator, resolution, keys)
     try:
         return Engine(trace, kv, cost, config, progress=progress)

@@ -1,6 +1,6 @@
 """A hybrid manager's decisions executed on a real pool, step by step.
 
-The observer of a hybrid run (:class:`~fragsim.engine.Engine` over :class:`~fragsim.hybrid.kv.HybridKV`, exact steps).
+The observer of a hybrid run (:class:`~fragsim.engine.Engine` over :class:`~fragsim.kv.hybrid.HybridKV`, exact steps).
 After every step it reads each live sequence's blocks per row from the manager
 (``placement``: the held blocks in logical order, leading freed blocks left out)
 and makes the device agree:

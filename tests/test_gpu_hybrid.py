@@ -138,7 +138,8 @@ def test_corrupted_state_is_caught_on_its_next_read() -> None:
 
 def test_a_wrong_simulated_split_is_caught(monkeypatch) -> None:
     """The device measures; it does not copy the simulator's numbers."""
-    from fragsim.hybrid.manager import RESERVATION, TOKEN, HybridManager
+    from fragsim.hybrid.groups import RESERVATION, TOKEN
+    from fragsim.hybrid.manager import HybridManager
 
     real = HybridManager.split
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from oracles import hybrid_split_by_position_check
 
 from fragsim.errors import FragsimError
 from fragsim.hybrid import CATEGORIES, MANAGERS
-from fragsim.simulate import RunSpec, load_workload, make_engine, simulate
+from fragsim.simulate import RunSpec, load_workload, make_engine, simulate, summarize
 
 GiB = 1 << 30
 
@@ -27,8 +28,10 @@ def test_split_identity_every_step(name: str, model: str, pool: int) -> None:
     and compares; the recorders assert the identity (Σ == pool) on every state.
     (32 sequences at most, so that paged-uniform's static state array fits the pool.)"""
     spec = _spec(model, pool, n=120, max_num_seqs=32)
-    r = simulate(load_workload(spec), name, spec, check=True)
-    s = r.summary
+    engine = make_engine(load_workload(spec), name, spec, check=True)
+    engine.checks.append(hybrid_split_by_position_check)
+    engine.run()
+    s, _ = summarize(engine, name, 0.0, 1)
     assert s["kv_pool_bytes"] == pool
     assert sum(s[f"{c}_frac"] for c in CATEGORIES) == pytest.approx(1.0)
     assert s["num_finished"] + s["num_refused"] == 120
@@ -155,11 +158,12 @@ def test_counts_only_manager_gives_the_same_run(name: str, model: str) -> None:
     spec = _spec(model, 2 * GiB, n=300, rate=10.0, max_num_seqs=16)
     trace = load_workload(spec)
     counts = make_engine(trace, name, spec, check=True)
-    assert not counts.kv.manager.tracks_ids
+    counts.checks.append(hybrid_split_by_position_check)
+    assert not counts.kv.manager.pool.keeps_ids
     counts.run()
     ids = make_engine(trace, name, RunSpec(**{**spec.to_dict(), "address_map": True,
                                               "time_window_s": None}))
-    assert ids.kv.manager.tracks_ids
+    assert ids.kv.manager.pool.keeps_ids
     ids.run()
     np.testing.assert_array_equal(counts.requests.finish, ids.requests.finish)
     np.testing.assert_array_equal(counts.requests.preemptions, ids.requests.preemptions)
@@ -169,4 +173,4 @@ def test_counts_only_manager_gives_the_same_run(name: str, model: str) -> None:
 def test_jenga_keeps_ids_when_pages_are_carved() -> None:
     """Gemma 3's small pages are parts of a large page: which page holds what matters."""
     spec = _spec("gemma-3-27b", 2 * GiB, n=10)
-    assert make_engine(load_workload(spec), "jenga", spec).kv.manager.tracks_ids
+    assert make_engine(load_workload(spec), "jenga", spec).kv.manager.pool.keeps_ids

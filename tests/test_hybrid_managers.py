@@ -10,6 +10,7 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from oracles import hybrid_split_by_position
 
 from fragsim.catalog import get_gpu, get_model
 from fragsim.hybrid import (
@@ -25,6 +26,7 @@ from fragsim.hybrid import (
     kind_groups,
 )
 from fragsim.hybrid.jenga import large_page
+from fragsim.hybrid.pools import Bin, BlockQueue, Ledger
 from fragsim.vllm_plan import plan_vllm
 
 H100 = get_gpu("h100-80gb")
@@ -84,7 +86,7 @@ def test_split_categories_by_hand() -> None:
     assert full[CATEGORIES.index("token_states")] == 19 * 10
     assert full[CATEGORIES.index("reservation")] == 1 * 10
     assert full[CATEGORIES.index("internal_fragmentation")] == 0  # 20 held, final 22
-    assert (split == m.split_slow(np.array([0]), np.array([19]))).all()
+    assert (split == hybrid_split_by_position(m, np.array([0]), np.array([19]))).all()
     assert split.sum() == m.capacity
     # Paged-uniform keeps the window's blocks: out-of-window shows instead.
     rows_u = tuple(Group(**{**r.__dict__, "frees_window": False}) for r in rows)
@@ -137,7 +139,7 @@ def test_every_manager_builds_and_splits_exactly(name: str, model_name: str) -> 
     seqs = np.arange(8)
     computed = np.array([m.num_requested(s) - 1 for s in seqs])
     split = m.split(seqs, computed)
-    assert (split == m.split_slow(seqs, computed)).all()
+    assert (split == hybrid_split_by_position(m, seqs, computed)).all()
     assert split.sum() == m.capacity and split.min() >= 0
     m.check()
 
@@ -162,32 +164,25 @@ def _padded_plan_rows(rows: tuple[Group, ...]) -> tuple[Group, ...]:
     return tuple(Group(**{**r.__dict__, "block_bytes": page}) for r in rows)
 
 
-def _make(kind: str, capacity: int) -> object:
+def _make(kind: str, capacity: int, track_ids: bool = True) -> object:
+    """A manager of ``kind``; ``track_ids=False``: its counts-only twin (a Ledger pool)."""
     if kind == "uniform":
-        return PagedUniformManager(_rows(kind), capacity, max_seq_len=64, max_num_seqs=6)
+        return PagedUniformManager(_rows(kind), capacity, max_seq_len=64, max_num_seqs=6, track_ids=track_ids)
     if kind == "static":
-        return StaticPartitionManager(_rows(kind), capacity, max_seq_len=64, step_tokens=64)
+        return StaticPartitionManager(_rows(kind), capacity, max_seq_len=64, step_tokens=64, track_ids=track_ids)
     if kind == "jenga":
-        return JengaManager(_rows(kind), capacity, max_seq_len=64)
+        return JengaManager(_rows(kind), capacity, max_seq_len=64, track_ids=track_ids)
     if kind == "jenga_carved":  # a few large pages, each of 3 full or 2 sliding small pages
-        return JengaManager(_rows("jenga")[:2], capacity, max_seq_len=64)
+        return JengaManager(_rows("jenga")[:2], capacity, max_seq_len=64, track_ids=track_ids)
     if kind == "jenga_equal":  # equal pages: a small page is a whole large page
         equal = tuple(Group(**{**r.__dict__, "block_bytes": 144}) for r in _rows("jenga"))
-        return JengaManager(equal, capacity, max_seq_len=64)
-    return _VllmLike(_padded_plan_rows(_rows(kind)), capacity)
-
-
-class _VllmLike(VllmHybridManager):
-    """The vLLM manager over hand-made rows (no plan needed for the pool logic)."""
-
-    def __init__(self, rows: tuple[Group, ...], capacity: int) -> None:
-        HybridManager.__init__(self, name="vllm-hybrid", placement="vllm-hybrid", rows=rows,
-                               capacity=capacity, max_seq_len=64)
-        self.bytes_per_block = rows[0].block_bytes
-        self.num_blocks = capacity // self.bytes_per_block
-        self._queue = list(range(1, self.num_blocks))
-        self._head = 0
-        self._tables = {}
+        return JengaManager(equal, capacity, max_seq_len=64, track_ids=track_ids)
+    # the vLLM manager over hand-made rows (no plan needed for the pool logic)
+    rows = _padded_plan_rows(_rows(kind))
+    page = rows[0].block_bytes
+    pool = (BlockQueue(rows, capacity, num_blocks=capacity // page, block_bytes=page) if track_ids
+            else Ledger(rows, capacity, [Bin(capacity // page - 1, page, tuple(range(len(rows))))]))
+    return HybridManager(name="vllm-hybrid", placement="vllm-hybrid", pool=pool, max_seq_len=64)
 
 
 def _machine(kind: str) -> type:
@@ -195,8 +190,11 @@ def _machine(kind: str) -> type:
         def __init__(self) -> None:
             super().__init__()
             self.m = _make(kind, 2000 if kind == "jenga_carved" else 6000)
+            # the counts-only twin makes every decision alike (jenga_carved keeps ids)
+            self.twin = _make(kind, 2000 if kind == "jenga_carved" else 6000, track_ids=False)
             self.finals = np.full(64, 0)
             self.m.bind_finals(self.finals)
+            self.twin.bind_finals(self.finals)
             self.computed: dict[int, int] = {}
             # what the engine asked for: after a stretch a sequence that moved no block
             # is further on than the manager's own count
@@ -210,7 +208,9 @@ def _machine(kind: str) -> type:
             seq = self.next_id
             self.finals[seq] = min(64, length + extra)
             before = self.m.split(*self._live())
-            if self.m.allocate(seq, min(length, 64)) is not None:
+            ok = self.m.allocate(seq, min(length, 64)) is not None
+            assert ok == (self.twin.allocate(seq, min(length, 64)) is not None)
+            if ok:
                 self.computed[seq] = 0
                 self.requested[seq] = min(length, 64)
                 self.next_id += 1
@@ -224,7 +224,9 @@ def _machine(kind: str) -> type:
             q = self.requested[seq]
             if q >= self.finals[seq]:
                 return
-            if self.m.extend(seq, q + 1 - self.m.num_requested(seq)):
+            ok = self.m.extend(seq, q + 1 - self.m.num_requested(seq))
+            assert ok == self.twin.extend(seq, q + 1 - self.twin.num_requested(seq))
+            if ok:
                 self.computed[seq] = q
                 self.requested[seq] = q + 1
 
@@ -241,6 +243,7 @@ def _machine(kind: str) -> type:
             targets = np.array([self.requested[s] + 1 for s in seqs], dtype=np.int64)
             before = self.m.split(*self._live())
             owned = self.m.grow_many(np.array(seqs, dtype=np.int64), targets)
+            assert owned == self.twin.grow_many(np.array(seqs, dtype=np.int64), targets)
             if owned is None:
                 assert (self.m.split(*self._live()) == before).all(), "declined growth changed state"
                 return
@@ -258,10 +261,23 @@ def _machine(kind: str) -> type:
             k = min(k, int((self.finals[seqs] - f0).min()))
             if k < 1:
                 return
-            taken, splits, _, _, _ = self.m.stretch(seqs, seqs.copy(), f0, k, head)
+            taken, splits, largest, used, _ = self.m.stretch(seqs, seqs.copy(), f0, k, head)
+            # The twin's steps are the same (its stretch may stop elsewhere: its limits
+            # know the counts better, or less; the head is asked of the first part only).
+            done = 0
+            while done < taken:
+                t, tw_splits, tw_largest, tw_used, _ = self.twin.stretch(seqs, seqs.copy(), f0 + done, taken - done,
+                                                                         head if done == 0 else None)
+                assert t > 0 or done == 0, "the counts-only twin stalls where the pool with ids went on"
+                if t == 0:   # stopped before a step that might admit the head: go on without it
+                    head = None
+                    continue
+                for mine, twins in ((splits, tw_splits), (largest, tw_largest), (used, tw_used)):
+                    assert np.array_equal(mine[done:done + t], twins), "the counts-only twin's steps differ"
+                done += t
             if not taken:
                 return
-            assert (splits[-1] == self.m.split_slow(seqs, f0 + taken - 1)).all(), "stretch's last split"
+            assert (splits[-1] == hybrid_split_by_position(self.m, seqs, f0 + taken - 1)).all(), "stretch's last split"
             for s, f in zip(seqs.tolist(), f0.tolist(), strict=True):
                 self.computed[s], self.requested[s] = f + taken - 1, f + taken
 
@@ -270,6 +286,7 @@ def _machine(kind: str) -> type:
         def free(self, data: st.DataObject) -> None:
             seq = data.draw(st.sampled_from(sorted(self.computed)))
             self.m.free(seq)
+            self.twin.free(seq)
             del self.computed[seq], self.requested[seq]
 
         def _live(self) -> tuple[np.ndarray, np.ndarray]:
@@ -280,11 +297,15 @@ def _machine(kind: str) -> type:
         def split_is_exact(self) -> None:
             seqs, computed = self._live()
             fast = self.m.split(seqs, computed)
-            assert (fast == self.m.split_slow(seqs, computed)).all()
+            assert (fast == hybrid_split_by_position(self.m, seqs, computed)).all()
             assert fast.sum() == self.m.capacity and fast.min() >= 0
             assert self.m.num_free() == fast[:, CATEGORIES.index("free")].sum()
             assert 0 <= self.m.largest_allocatable() <= self.m.num_free()
             self.m.check()
+            assert np.array_equal(self.twin.split(seqs, computed), fast)
+            assert self.twin.largest_allocatable() == self.m.largest_allocatable()
+            assert self.twin.num_used_blocks() == self.m.num_used_blocks()
+            self.twin.check()
 
     Machine.__name__ = f"Machine_{kind}"
     return Machine
@@ -349,17 +370,17 @@ def test_recorded_sums_refuse_a_broken_split(kind: str) -> None:
     assert m.allocate(0, 9) is not None and m.allocate(1, 5) is not None
     assert m.extend(0, 1)
     seqs, computed = np.array([0, 1]), np.array([9, 0])
-    sums, token, free, elsewhere = m._basis(computed, int(computed.sum()))
+    sums, token, free, elsewhere = m.sums(computed, int(computed.sum()))
     split = m.split(seqs, computed)
-    assert np.array_equal(split, m.split_slow(seqs, computed))   # the sums' map, against every block
+    assert np.array_equal(split, hybrid_split_by_position(m, seqs, computed))   # the sums' map, against every block
     assert np.array_equal((np.array(sums, dtype=np.float64) @ m.split_basis()).reshape(split.shape), split)
     assert (token, free) == (split[:, CATEGORIES.index("token_states")].sum(), split[:, CATEGORIES.index("free")].sum())
     assert elsewhere == split[:, [CATEGORIES.index(c) for c in ("internal_fragmentation", "padding",
                                                                 "out_of_window")]].sum()
     m.state.held[0] += 1   # a block held that no sequence has
     with pytest.raises(AssertionError, match="sums to"):
-        m._basis(computed, int(computed.sum()))
+        m.sums(computed, int(computed.sum()))
     m.state.held[0] -= 1
     m.state.tail[0] = -4
     with pytest.raises(AssertionError, match="negative"):
-        m._basis(computed, int(computed.sum()))
+        m.sums(computed, int(computed.sum()))

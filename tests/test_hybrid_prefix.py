@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import hybrid_split_by_position, hybrid_split_by_position_check
 
 from fragsim.catalog import get_gpu, get_model
 from fragsim.errors import FragsimError
@@ -31,7 +32,7 @@ def make_manager(model: str = "gpt-oss-20b", blocks: int = 64) -> VllmPrefixMana
 def assert_split(m: VllmPrefixManager, computed: dict[int, int]) -> np.ndarray:
     seqs = np.array(list(computed), dtype=np.int64)
     f = np.array(list(computed.values()), dtype=np.int64)
-    fast, slow = m.split(seqs, f), m.split_slow(seqs, f)
+    fast, slow = m.split(seqs, f), hybrid_split_by_position(m, seqs, f)
     np.testing.assert_array_equal(fast, slow)
     assert int(fast.sum()) == m.capacity and int(fast.min()) >= 0
     m.check()
@@ -51,8 +52,8 @@ def with_a(m: VllmPrefixManager) -> None:
     m.cache_blocks(0, KEYS_A)
     # Full attention keys every block; the sliding window only the 8 before A's replay
     # boundary (319 // 16 = 19): positions 11..18, blocks 12..19.
-    assert sorted(m._cache[1]) == KEYS_A
-    assert sorted(m._cache[0]) == KEYS_A[11:19]
+    assert sorted(m.pool.cached_keys(1)) == KEYS_A
+    assert sorted(m.pool.cached_keys(0)) == KEYS_A[11:19]
 
 
 def test_full_scans_left_to_right_sliding_right_to_left() -> None:
@@ -66,7 +67,7 @@ def test_full_scans_left_to_right_sliding_right_to_left() -> None:
     assert (hit.tokens, hit.junction) == (304, 320)
     assert hit.blocks == (tuple(range(12, 20)), tuple(range(22, 41)))
     assert m.allocate(1, 401, hit, 400) is not None
-    assert m.dup == [8, 19]
+    assert m.pool.dup == [8, 19]
     assert m.num_free_blocks() == 64 - 42 - 14
     split = assert_split(m, {0: 320, 1: 304})
     # A shared block counts once: token states are A's 320 positions in the full group
@@ -76,14 +77,14 @@ def test_full_scans_left_to_right_sliding_right_to_left() -> None:
     # positions 16..23) and at the junction (320 // 16 = 20: 12..19), those it holds
     # of its own (19..23).
     m.cache_blocks(1, KEYS_B)
-    assert sorted(m._cache[0]) == KEYS_B[11:24]
+    assert sorted(m.pool.cached_keys(0)) == KEYS_B[11:24]
     assert_split(m, {0: 320, 1: 400})
     # A third request finds the rightmost run of 8: positions 16..23 (not 11..18).
     keys_c = KEYS_B + [300 + i for i in range(12)]
     hit = m.lookup(keys_c[:37], 599)
     assert hit.by_kind == {"full": 400, "sliding": 384}
     assert hit.tokens == 384
-    assert [m._key_of[b] for b in hit.blocks[0]] == KEYS_B[16:24]
+    assert [m.pool.key_of(b) for b in hit.blocks[0]] == KEYS_B[16:24]
 
 
 def test_eviction_order_and_a_window_without_its_earlier_blocks() -> None:
@@ -92,18 +93,18 @@ def test_eviction_order_and_a_window_without_its_earlier_blocks() -> None:
     m.free(0)
     # Per group, last block first: blocks without a key to the front (reused first),
     # keyed ones to the back; the full group's free comes after the sliding group's.
-    assert list(m._free) == ([42, 21, 20] + list(range(11, 0, -1)) + list(range(43, 65))
+    assert m.pool.free_order() == ([42, 21, 20] + list(range(11, 0, -1)) + list(range(43, 65))
                              + list(range(19, 11, -1)) + list(range(41, 21, -1)))
-    assert m.num_evictable_blocks() == 28
+    assert m.pool.num_evictable_blocks() == 28
     # A filler takes the 14 unkeyed and 20 never-used blocks: A's early sliding blocks
     # are gone, its window's 8 are not, so B still hits.
     assert m.allocate(9, 17 * 16) is not None
-    assert m.num_evictions == 0
+    assert m.pool.num_evictions == 0
     assert m.lookup(KEYS_B[:24], 399).tokens == 304
     # Two more blocks each evict the sliding group's last two (positions 18 and 17):
     # 6 in a row is no window, and nothing hits from block 0 either.
     assert m.allocate(10, 2 * 16) is not None
-    assert m.num_evictions == 2
+    assert m.pool.num_evictions == 2
     hit = m.lookup(KEYS_B[:24], 399)
     assert hit.by_kind == {"full": 320, "sliding": 0}
     assert (hit.tokens, hit.blocks) == (0, ((), ()))
@@ -119,7 +120,7 @@ def test_a_hit_on_free_blocks_takes_them_back() -> None:
     assert m.allocate(1, 401, hit, 400) is not None
     # 8 + 19 evictable blocks leave the queue, and 2 × 7 new ones are taken.
     assert m.num_free_blocks() == free - 27 - 14
-    assert m.dup == [0, 0]
+    assert m.pool.dup == [0, 0]
     assert_split(m, {1: 304})
 
 
@@ -167,18 +168,19 @@ def test_split_identity_with_shared_blocks(model: str, pool: float) -> None:
     step (a shared block once) and compares; the pool is small enough to evict and preempt."""
     spec = _spec(model, pool, 60, prefix_caching=True)
     engine = make_engine(load_workload(spec), "vllm-hybrid", spec, check=True)
+    engine.checks.append(hybrid_split_by_position_check)
     seen: list[int] = []
     split = engine.kv.current_split
 
     def spy(live: object) -> np.ndarray:
-        seen.append(sum(engine.kv.manager.dup))  # type: ignore[attr-defined]
+        seen.append(sum(engine.kv.manager.pool.dup))  # type: ignore[attr-defined]
         return split(live)  # type: ignore[arg-type]
 
     engine.kv.current_split = spy  # type: ignore[method-assign]
     engine.run()
     assert max(seen) > 0
     assert engine.num_prefix_hits > 0
-    assert engine.kv.manager.num_evictions > 0  # type: ignore[attr-defined]
+    assert engine.kv.manager.pool.num_evictions > 0  # type: ignore[attr-defined]
     assert engine.rec.counters.num_preemptions_recompute > 0
 
 

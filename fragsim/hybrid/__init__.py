@@ -11,7 +11,8 @@
 support); ``vllm-hybrid`` is vLLM 0.33's hybrid KV cache manager; ``jenga`` is
 Jenga's two-level allocator; ``static-partition`` gives each kind its own pool.
 :mod:`fragsim.hybrid.groups` defines the groups, :mod:`fragsim.hybrid.manager` what each
-sequence holds in them and the byte split.
+sequence holds in them, :mod:`fragsim.hybrid.pools` where the blocks are and
+:mod:`fragsim.hybrid.basis` the byte split.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from fragsim.hybrid.jenga import JengaManager
 from fragsim.hybrid.manager import HybridManager
 from fragsim.hybrid.paged_uniform import PagedUniformManager
 from fragsim.hybrid.static_partition import StaticPartitionManager
-from fragsim.hybrid.vllm_hybrid import VllmHybridManager
-from fragsim.hybrid.vllm_prefix import VllmPrefixManager
+from fragsim.hybrid.vllm_hybrid import VllmHybridManager, VllmPrefixManager
 
 MANAGERS = ("paged-uniform", "vllm-hybrid", "jenga", "static-partition")
 
@@ -44,7 +44,7 @@ def create_manager(name: str, model: ModelConfig, gpu: GPUConfig, *, pool_bytes:
     ``track_ids=False`` lets a manager keep block counts only (``jenga`` where every
     small page is a whole large page): faster, no placements or address maps, the same
     results. ``prefix_caching`` is modelled for
-    ``vllm-hybrid`` only (:mod:`fragsim.hybrid.vllm_prefix`; it keeps ids).
+    ``vllm-hybrid`` only (:mod:`fragsim.hybrid.pools.caching`; it keeps ids).
     """
     if name not in MANAGERS:
         raise ValueError(f"unknown hybrid KV manager {name!r}; choose from {', '.join(MANAGERS)}")

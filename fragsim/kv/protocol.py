@@ -4,7 +4,7 @@ The engine schedules: admission order, the token budget, preemption, time. The K
 manager is the only thing that knows memory. One protocol fits the dense
 allocators in slots (:class:`fragsim.kv.dense.DenseKV`, with block sharing where
 its allocator can fork) and the hybrid managers in bytes
-(:class:`fragsim.hybrid.kv.HybridKV`)::
+(:class:`fragsim.kv.hybrid.HybridKV`)::
 
     engine                                   KV manager
     ------                                   ----------
