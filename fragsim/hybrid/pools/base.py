@@ -37,6 +37,7 @@ caching), :class:`~fragsim.hybrid.pools.jenga.JengaPool`,
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -165,7 +166,7 @@ class Pool(Protocol):
     def check(self, held: list[int]) -> None: ...
 
 
-class IdPool:
+class IdPool(ABC):
     """What pools that place block ids share: a batch placed one sequence at a time,
     a stretch placed step by step, and the safe stretch limits (frees ignored; the
     first step that frees anything may admit the head)."""
@@ -183,17 +184,35 @@ class IdPool:
         self.groups = groups
         self.capacity = int(capacity)
 
-    def place(self, seq: int, frees: list[int], takes: list[int]) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def place(self, seq: int, frees: list[int], takes: list[int]) -> bool: ...
 
-    def fits(self, takes: list[int]) -> bool:
-        raise NotImplementedError
+    @abstractmethod
+    def release(self, seq: int, held: list[int]) -> None: ...
 
-    def free_bytes(self) -> list[int]:
-        raise NotImplementedError
+    @abstractmethod
+    def fits(self, takes: list[int]) -> bool: ...
 
-    def used_blocks(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def fits_empty(self, takes: list[int]) -> bool: ...
+
+    @abstractmethod
+    def free_bytes(self) -> list[int]: ...
+
+    @abstractmethod
+    def fixed_padding(self) -> int: ...
+
+    @abstractmethod
+    def used_blocks(self) -> int: ...
+
+    @abstractmethod
+    def block_ids(self, seq: int, group: int) -> list[int]: ...
+
+    @abstractmethod
+    def unit_rows(self) -> np.ndarray: ...
+
+    @abstractmethod
+    def check(self, held: list[int]) -> None: ...
 
     def place_batch(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
         """Each sequence's move in turn (``[group][seq]``), known to fit."""
@@ -247,6 +266,16 @@ class IdPool:
     def unit_kinds(self) -> list[str]:
         """What each group index of :meth:`unit_rows` holds."""
         return [g.kind for g in self.groups]
+
+
+def rows_of_tables(tables: dict[int, list[list[int]]], num_units: int) -> np.ndarray:
+    """Each of ``num_units`` block ids marked with the group whose table holds it, −1
+    where none does (a pool's address map from its block tables)."""
+    out = np.full(num_units, -1, dtype=np.int64)
+    for mine in tables.values():
+        for i, table in enumerate(mine):
+            out[table] = i
+    return out
 
 
 def tables_of(tables: dict[int, Any], seq: int, group: int) -> list[int]:

@@ -32,7 +32,7 @@ from collections import OrderedDict
 import numpy as np
 
 from fragsim.hybrid.groups import OUT_OF_WINDOW, PADDING, TOKEN, Group
-from fragsim.hybrid.pools.base import IdPool, tables_of
+from fragsim.hybrid.pools.base import IdPool, rows_of_tables, tables_of
 from fragsim.hybrid.state import SeqState
 from fragsim.kinds import cdiv
 
@@ -198,11 +198,7 @@ class CachingBlockPool(IdPool):
         return int(self._ref[block])
 
     def unit_rows(self) -> np.ndarray:
-        out = np.full(self.num_blocks, -1, dtype=np.int64)
-        for tables in self._tables.values():
-            for i, table in enumerate(tables):
-                out[table] = i
-        return out
+        return rows_of_tables(self._tables, self.num_blocks)
 
     # ---------------------------------------------------------- shared blocks
 

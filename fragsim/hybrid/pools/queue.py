@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from fragsim.hybrid.groups import Group
-from fragsim.hybrid.pools.base import IdPool, first_room, first_short, tables_of
+from fragsim.hybrid.pools.base import IdPool, first_room, first_short, rows_of_tables, tables_of
 
 
 class BlockQueue(IdPool):
@@ -82,11 +82,7 @@ class BlockQueue(IdPool):
         return tables_of(self._tables, seq, group)
 
     def unit_rows(self) -> np.ndarray:
-        out = np.full(self.num_blocks, -1, dtype=np.int64)
-        for tables in self._tables.values():
-            for i, table in enumerate(tables):
-                out[table] = i
-        return out
+        return rows_of_tables(self._tables, self.num_blocks)
 
     def check(self, held: list[int]) -> None:
         free = self._queue[self._head:]
