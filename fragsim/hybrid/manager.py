@@ -74,9 +74,6 @@ class HybridManager:
         self.split_is_linear = not pool.shares_blocks
         self.largest_is_free = pool.largest_is_free
         st = self.state
-        # each group's shape as an index into per-shape columns (a state group: 0, zeroed)
-        self._shape_of_rows = np.array([max(s, 0) for s in st.shape_of], dtype=np.int64)
-        self._rows_are_shapes = st.shape_of == list(range(len(rows)))
         #: prefix hits across kinds (None: no prefix caching)
         self.prefix: Coordinator | None = None
         if prefix_caching:
@@ -258,7 +255,8 @@ class HybridManager:
         (:func:`fragsim.hybrid.steps.stretch`): the steps taken, the split of each
         ``[k, groups + 1, categories]``, the largest allocatable bytes and used blocks
         of each, and each sequence's last requested length (−1: no block moved)."""
-        return steps.stretch(self, seqs, reqs, filled0, k, head_tokens, first_step_first, owned)
+        head = None if head_tokens is None else (lambda: self._fresh(head_tokens)[2])
+        return steps.stretch(self.state, self.pool, self.basis, seqs, reqs, filled0, k, head, first_step_first, owned)
 
     # ------------------------------------------------------------------ sizes
 

@@ -9,21 +9,20 @@ the kept sums advance, and each step's split is the basis map of its sums
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import numpy as np
 
+from fragsim.hybrid.basis import SplitBasis
 from fragsim.hybrid.groups import CATEGORIES
-from fragsim.hybrid.pools.base import Steps
+from fragsim.hybrid.pools.base import Pool, Steps
+from fragsim.hybrid.state import SeqState
 from fragsim.hybrid.walk import walk
 
-if TYPE_CHECKING:
-    from fragsim.hybrid.manager import HybridManager
 
-
-def stretch(m: HybridManager, seqs: np.ndarray, reqs: np.ndarray, filled0: np.ndarray, k: int,
-            head_tokens: int | None, first_step_first: bool = False, owned: np.ndarray | None = None
-            ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def stretch(st: SeqState, pool: Pool, basis: SplitBasis, seqs: np.ndarray, reqs: np.ndarray, filled0: np.ndarray,
+            k: int, head: Callable[[], list[int]] | None, first_step_first: bool = False,
+            owned: np.ndarray | None = None) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Up to ``k`` decode steps of the sequences ``seqs`` (all that hold memory), the
     sequence at ``filled0`` tokens computing token ``filled0 + j`` in step ``j``.
 
@@ -35,20 +34,21 @@ def stretch(m: HybridManager, seqs: np.ndarray, reqs: np.ndarray, filled0: np.nd
     (``pool.stretch_admits``), and, over shared blocks, before a window reaches one.
     The pool places the moves in the order exact steps would (step, then ``reqs``).
 
+    ``head`` gives the blocks per group a fresh sequence of the waiting request takes
+    (None: none waits); ``owned``: each sequence's room, when the caller keeps it.
     Returns the steps taken, the split of each ``[k, groups + 1, categories]``, the
     largest allocatable bytes and used blocks of each, and each sequence's last
     requested length (−1: no block moved).
     """
-    st, pool = m.state, m.pool
-    R, n, S = len(m.rows), len(seqs), len(st.shapes)
+    R, n, S = len(pool.groups), len(seqs), len(st.shapes)
     if pool.shares_blocks:
         k = min(k, pool.shared_limit(st, seqs, filled0, k))  # type: ignore[attr-defined]
     if k <= 0:
-        return _no_steps(m, n)
+        return _no_steps(R, n)
     # Each sequence's first move: the first step whose target passes its room
     # (``owned``: :meth:`HybridManager.owned_many` of ``seqs``, when the caller keeps it).
     if owned is None:
-        owned = m.owned_many(seqs)
+        owned = st.rooms(seqs)
     j0 = np.maximum(owned - filled0, 0)   # a prompt just computed may be past its window
     movers = np.flatnonzero(j0 < k)
     # Under memory pressure a stretch often cannot take its first step, and stretches
@@ -56,7 +56,7 @@ def stretch(m: HybridManager, seqs: np.ndarray, reqs: np.ndarray, filled0: np.nd
     # first step alone first (the limits read no later step to stop there).
     for kk in ((1, k) if first_step_first and k > 1 and (j0[movers] == 0).any() else (k,)):
         w = walk(st, movers, seqs, filled0, j0, kk)
-        step_takes, step_frees = _per_group(m, w.takes, kk), _per_group(m, w.frees, kk)
+        step_takes, step_frees = _per_group(st, w.takes, kk), _per_group(st, w.frees, kk)
         if w.moves and pool.needs_per_seq:
             per_seq = np.zeros((R, kk, n), dtype=np.int64)
             for j, col, _, _, _, _, tks in w.moves:
@@ -64,13 +64,13 @@ def stretch(m: HybridManager, seqs: np.ndarray, reqs: np.ndarray, filled0: np.nd
         else:
             per_seq = np.zeros((R, kk, 0), dtype=np.int64)   # no sequence takes, or not read
         limit = pool.stretch_fits(step_takes, step_frees, per_seq)
-        if head_tokens is not None and w.moves and step_frees.any():
-            limit = min(limit, pool.stretch_admits(step_takes, step_frees, m._fresh(head_tokens)[2]))
+        if head is not None and w.moves and step_frees.any():
+            limit = min(limit, pool.stretch_admits(step_takes, step_frees, head()))
         if limit == 0:
             break
     k = min(k, limit)
     if k <= 0:
-        return _no_steps(m, n)
+        return _no_steps(R, n)
     moves = [mv for mv in w.moves if mv[0] < k] if k < kk else w.moves
     free_rows, largest, used = pool.place_steps(Steps(k, step_takes[:k], step_frees[:k], moves, seqs, reqs,
                                                       st.shape_of))
@@ -97,21 +97,22 @@ def stretch(m: HybridManager, seqs: np.ndarray, reqs: np.ndarray, filled0: np.nd
         st.held[s] += tot[0][s]
         st.floor[s] += tot[1][s] * shape.block_tokens
         st.tail[s] += tot[2][s]
-    splits = m.basis.split_of(m.basis.step_sums(filled0, k, tot, sums, pool.fixed_padding(), free_rows))
+    splits = basis.split_of(basis.step_sums(filled0, k, tot, sums, pool.fixed_padding(), free_rows))
     if pool.shares_blocks:
         pool.correct_steps(splits)  # type: ignore[attr-defined]
     return k, splits, largest, used, last_target
 
-def _per_group(m: HybridManager, per_shape: list[list[int]], k: int) -> np.ndarray:
+
+def _per_group(st: SeqState, per_shape: list[list[int]], k: int) -> np.ndarray:
     """A walk's per-step, per-shape counts as ``[k, groups]`` (state groups: 0)."""
-    out = np.array(per_shape, dtype=np.int64).reshape(k, len(m.state.shapes))
-    if not m._rows_are_shapes:
-        out = out[:, m._shape_of_rows]
-    if m.state.state_groups:
-        out[:, m.state.state_groups] = 0
+    out = np.array(per_shape, dtype=np.int64).reshape(k, len(st.shapes))
+    if st.shape_of != list(range(len(st.shape_of))):
+        out = out[:, [max(s, 0) for s in st.shape_of]]
+    if st.state_groups:
+        out[:, st.state_groups] = 0
     return out
 
-def _no_steps(m: HybridManager, n: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    R = len(m.rows)
+
+def _no_steps(R: int, n: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return (0, np.zeros((0, R + 1, len(CATEGORIES)), dtype=np.int64), np.zeros(0, dtype=np.int64),
             np.zeros(0, dtype=np.int64), np.full(n, -1))
