@@ -52,16 +52,25 @@ understanding; no vLLM code is used. Pure arithmetic.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from fragsim.catalog import GPUConfig, ModelConfig
 from fragsim.errors import FragsimError
 from fragsim.kinds import Kind, State, cdiv, rule_of
-from fragsim.layers import STATE_KINDS, LayerSpec
 
-DEFAULT_BLOCK_SIZE = 16
+# Where it lives: step 1 (block size, each layer's page) in fragsim.vllm_plan_pages,
+# step 2 (groups) in fragsim.vllm_plan_groups; steps 3-5 (pool, concurrency, blocks
+# held) and the summary here. Their names are re-exported: fragsim.vllm_plan is where
+# callers look.
+from fragsim.vllm_plan_groups import KVGroup, _group, _promote_local
+from fragsim.vllm_plan_pages import (  # noqa: F401
+    DEFAULT_BLOCK_SIZE,
+    LayerPage,
+    _layer_pages,
+    backend_block_size,
+)
+
 GiB = 1 << 30
 
 
@@ -73,48 +82,6 @@ def default_max_num_batched_tokens(gpu: GPUConfig) -> int:
     if gpu.memory_bytes >= 70 * GiB and gpu.arch != "sm80":
         return 8192
     return 2048
-
-
-@dataclass(frozen=True)
-class LayerPage:
-    """One layer's KV cache spec as vLLM sees it."""
-
-    kind: str                    # full, sliding, chunked, mla, mamba, linear
-    block_size: int
-    bytes_per_token: int = 0     # attention kinds
-    window: int | None = None
-    chunk: int | None = None
-    state_bytes: int = 0         # state kinds: the real state
-    page_padded: int | None = None
-
-    @property
-    def page_size_bytes(self) -> int:
-        if self.page_padded is not None:
-            return self.page_padded
-        if self.kind in STATE_KINDS:
-            return self.state_bytes
-        return self.bytes_per_token * self.block_size
-
-    @property
-    def real_page_bytes(self) -> int:
-        return self.state_bytes if self.kind in STATE_KINDS else self.bytes_per_token * self.block_size
-
-    @property
-    def base(self) -> str:
-        """vLLM's spec class family: layers of one family can share a group."""
-        return {"mla": "full", "linear": "mamba"}.get(self.kind, self.kind)
-
-
-@dataclass(frozen=True)
-class KVGroup:
-    kind: str
-    layers: tuple[int, ...]           # model layer indices
-    page: LayerPage
-    num_padding_layers: int
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
 
 
 @dataclass(frozen=True)
@@ -178,145 +145,6 @@ def _held(page: LayerPage, n_stored: int, max_model_len: int, prefix_caching: bo
 def _max_blocks(page: LayerPage, max_model_len: int, in_flight: int, checkpoint: int,
                 prefix_caching: bool) -> int:
     return page_rule(page, prefix_caching, checkpoint).max_blocks(max_model_len, page.block_size, in_flight)
-
-
-def backend_block_size(model: ModelConfig, gpu: GPUConfig) -> int:
-    """The block size vLLM's default attention backend prefers on ``gpu``."""
-    kinds = {layer.kind for layer in model.layer_specs}
-    fp8 = model.kv_dtype_bytes == 1
-    if "mla" in kinds:
-        if gpu.arch == "sm90" and fp8:
-            return 64          # FlashMLA
-        if gpu.arch.startswith("sm10"):
-            return 32          # FlashInfer MLA
-    if gpu.arch == "gfx942" and model.architecture.startswith("GptOss"):
-        return 64              # AITER unified attention, the one with sinks
-    if (gpu.arch.startswith("sm10") and model.architecture == "Gemma3ForConditionalGeneration"
-            and model.head_dim == 256):
-        return 64              # Triton/FlashInfer for multimodal prefixes at head 256
-    return DEFAULT_BLOCK_SIZE
-
-
-def _attention_page_per_token(model: ModelConfig, tp: int) -> int:
-    """One token of one attention layer, from the model-wide attention shape."""
-    first = next((la for la in model.layer_specs if la.has_token_kv), None)
-    if first is None:
-        return 0
-    if first.kind == "mla":
-        return first.bytes_per_token(model.kv_dtype_bytes, tp)
-    return 2 * max(1, model.num_kv_heads // tp) * first.head_dim * model.kv_dtype_bytes
-
-
-def _checkpoint_alignment(model: ModelConfig, gpu: GPUConfig, prefix_caching: bool) -> int | None:
-    """Gated DeltaNet exports prefill checkpoints every 64 tokens when its FlashInfer
-    prefill kernel runs (sm90, sm100) under prefix caching; other state layers none."""
-    states = [la for la in model.layer_specs if la.kind in STATE_KINDS]
-    if not prefix_caching or not states:
-        return None
-    if all(la.state is not None and la.state.variant == "gdn" for la in states) and (
-            gpu.arch == "sm90" or gpu.arch.startswith("sm10")):
-        return 64
-    return None
-
-
-def _layer_pages(model: ModelConfig, gpu: GPUConfig, tp: int, prefix_caching: bool,
-                 max_model_len: int, block_size: int | None) -> tuple[list[tuple[int, LayerPage]],
-                                                                      int, int | None, int]:
-    """Every KV-holding layer's page, the attention block size, the state block size
-    and the checkpoint blocks a state layer keeps."""
-    kv = model.kv_dtype_bytes
-    bs = backend_block_size(model, gpu) if block_size is None else block_size
-    states = [la for la in model.layer_specs if la.kind in STATE_KINDS]
-    mamba_block: int | None = None
-    padded: int | None = None
-    checkpoint = 0
-    if states:
-        state_page = max(la.state_bytes(model.dtype_bytes, tp) for la in states)
-        per_token = _attention_page_per_token(model, tp)
-        if per_token:
-            align = max(bs, DEFAULT_BLOCK_SIZE)
-            if any(la.kind == "mla" for la in model.layer_specs):
-                align = max(align, 128)
-            ckpt = _checkpoint_alignment(model, gpu, prefix_caching)
-            if ckpt:
-                align = math.lcm(align, ckpt)
-                checkpoint = 1
-            need = align * cdiv(state_page, align * per_token)
-            need = DEFAULT_BLOCK_SIZE * cdiv(need, DEFAULT_BLOCK_SIZE)
-            bs = max(bs, need)
-            if bs * per_token != state_page:
-                padded = bs * per_token
-        mamba_block = bs if prefix_caching else max_model_len
-    pages = []
-    for i, layer in enumerate(model.layer_specs):
-        if layer.kind == "shared":
-            continue       # reads its target's KV: no spec, no memory
-        pages.append((i, _page_of(layer, model, tp, kv, bs, mamba_block, padded)))
-    return pages, bs, mamba_block, checkpoint
-
-
-def _page_of(layer: LayerSpec, model: ModelConfig, tp: int, kv: int, bs: int,
-             mamba_block: int | None, padded: int | None) -> LayerPage:
-    if layer.kind in STATE_KINDS:
-        assert mamba_block is not None
-        return LayerPage(layer.kind, mamba_block, state_bytes=layer.state_bytes(model.dtype_bytes, tp),
-                         page_padded=padded)
-    return LayerPage(layer.kind, bs, bytes_per_token=layer.bytes_per_token(kv, tp),
-                     window=layer.window, chunk=layer.chunk)
-
-
-def _promote_local(pages: list[tuple[int, LayerPage]]) -> list[tuple[int, LayerPage]]:
-    """With the hybrid manager off, sliding and chunked layers next to full ones are
-    allocated as full attention (their compute keeps its window)."""
-    kinds = {p.kind for _, p in pages}
-    if "full" not in kinds or not kinds & {"sliding", "chunked"}:
-        return pages
-    return [(i, replace(p, kind="full", window=None, chunk=None) if p.kind in ("sliding", "chunked")
-             else p) for i, p in pages]
-
-
-def _unify_pages(pages: list[tuple[int, LayerPage]]) -> list[tuple[int, LayerPage]]:
-    top = max(p.page_size_bytes for _, p in pages)
-    out = []
-    for i, p in pages:
-        size = p.page_size_bytes
-        if size == top:
-            out.append((i, p))
-        elif p.base == "mamba":
-            out.append((i, replace(p, page_padded=top)))
-        elif top % size == 0:
-            out.append((i, replace(p, block_size=p.block_size * (top // size))))
-        elif p.kind != "mla":
-            out.append((i, replace(p, page_padded=top)))
-        else:
-            raise FragsimError(f"layer {i} (MLA): its {size:,} B page does not divide the largest "
-                               f"page ({top:,} B); vLLM cannot put these layers in one pool")
-    return out
-
-
-def _group(pages: list[tuple[int, LayerPage]]) -> list[KVGroup]:
-    specs = {p for _, p in pages}
-    if len(specs) == 1 or (len({p.base for p in specs}) == 1
-                           and len({p.block_size for p in specs}) == 1
-                           and len({p.page_size_bytes for p in specs}) == 1):
-        first = pages[0][1]
-        return [KVGroup(first.kind, tuple(i for i, _ in pages), first, 0)]
-    pages = _unify_pages(pages)
-    buckets: dict[LayerPage, list[int]] = {}
-    for i, p in pages:
-        buckets.setdefault(p, []).append(i)
-    sizes = [len(v) for v in buckets.values()]
-    group_size = min(sizes)
-    if max(sizes) < group_size * 1.5:
-        group_size = max(sizes)
-    groups = []
-    for page, members in buckets.items():
-        n = cdiv(len(members), group_size)
-        for k in range(n):
-            chunk = tuple(members[k::n])
-            groups.append(KVGroup(page.kind, chunk, page, 0))
-    widest = max(g.num_layers for g in groups)
-    return [replace(g, num_padding_layers=widest - g.num_layers) for g in groups]
 
 
 def plan_vllm(

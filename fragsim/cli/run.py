@@ -1,14 +1,31 @@
-"""``fragsim run``: replay a trace against allocators and compare where the memory goes."""
+"""``fragsim run``: replay a trace against allocators and compare where the memory goes.
+
+This module is the command: its parser (:func:`register`, with the help's
+description and examples) and :func:`main`, which runs and prints the table and its
+notes. Its options and the run spec they make are :mod:`fragsim.cli.run_options`'s,
+the notes on a hybrid model and on an overload :mod:`fragsim.cli.run_notes`'s, the
+runs themselves (in order or in a pool of processes) :mod:`fragsim.cli.run_parallel`'s;
+their names are re-exported here.
+"""
 
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from pathlib import Path
 from typing import Any
 
-from fragsim.cli.args import positive_float, positive_int
+from fragsim.cli.args import positive_int
+
+# re-exported: fragsim.cli.run is where callers look (fragsim.cli.validate, the tests)
+from fragsim.cli.run_notes import HYBRID_WHY, full_attention_note, overload_notes  # noqa: F401
+from fragsim.cli.run_options import (  # noqa: F401
+    add_system_options,
+    add_workload_options,
+    parse_allocators,
+    spec_from_args,
+)
+from fragsim.cli.run_parallel import simulate_all
 
 DESCRIPTION = """\
 Replay a request trace against one or more KV-cache allocators and print the
@@ -46,214 +63,6 @@ examples:
 """
 
 
-def _window(text: str) -> tuple[float, float]:
-    try:
-        start, end = (float(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected START:END in seconds, got {text!r}") from None
-    if not 0 <= start < end:
-        raise argparse.ArgumentTypeError(f"need 0 <= START < END, got {text}")
-    return start, end
-
-
-def add_workload_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload")
-    g.add_argument("--trace", default="azure-conv",
-                   help="bundled trace (azure-conv, azure-code), workload (sharegpt-paper, "
-                        "alpaca-paper) or a trace file path (default: %(default)s)")
-    g.add_argument("--num-requests", type=positive_int, help="keep the first N requests")
-    g.add_argument("--time-window", type=_window, metavar="START:END",
-                   help="keep requests arriving in [START, END) seconds")
-    g.add_argument("--rate", type=positive_float, help="re-time arrivals at this many requests/s")
-    g.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson",
-                   help="arrival process with --rate (default: %(default)s)")
-    g.add_argument("--cv", type=positive_float, default=1.0,
-                   help="coefficient of variation of gamma inter-arrivals (burstiness; default 1)")
-    g.add_argument("--seed", type=int, default=0, help="seed for arrivals and workloads (default 0)")
-
-
-def add_system_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model, GPU and memory")
-    g.add_argument("--model", default="llama-3.1-8b",
-                   help="model preset, or a Hugging Face config.json (or its folder) "
-                        "(default: %(default)s)")
-    g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
-                   help="KV cache element type: auto (the model's), fp16, bf16, fp32, fp8, "
-                        "fp8_e4m3, fp8_e5m2 (default auto)")
-    g.add_argument("--gpu", default="h100-80gb", help="GPU preset (default: %(default)s)")
-    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
-    g.add_argument("--catalog", help="TOML file with custom models/GPUs")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory the engine may use (default 0.9)")
-    g.add_argument("--kv-slots", type=positive_int, help="KV pool size in tokens (overrides the budget)")
-    g.add_argument("--kv-cache-memory-bytes", type=positive_int, metavar="BYTES",
-                   help="KV pool size in bytes on one GPU, as vLLM's option (overrides the budget; "
-                        "dense allocators cut it into slots of every layer's KV)")
-    g.add_argument("--hybrid-chunked", action="store_true",
-                   help="vllm-hybrid: keep the hybrid manager for chunked local attention (Llama 4), "
-                        "as VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 does")
-    g = p.add_argument_group("allocator")
-    g.add_argument("--allocator", default="ft-static,orca-max,orca-pow2,orca-oracle,vllm",
-                   help="comma list of allocators/presets (default: %(default)s)")
-    g.add_argument("--reserve", choices=("max", "pow2", "oracle"),
-                   help="reservation policy for plain static/contiguous/buddy placements")
-    g.add_argument("--block-size", type=positive_int, default=16, help="paged block size (default 16)")
-    g.add_argument("--page-kb", type=int, choices=(64, 128, 256, 2048), default=2048,
-                   help="vmm physical page in KiB (default 2048; vattention is 2048 unless given)")
-    g.add_argument("--fit", choices=("first", "best"), default="first", help="contiguous placement fit")
-    g = p.add_argument_group("scheduler")
-    g.add_argument("--max-seq-len", type=positive_int,
-                   help="longest prompt+output a request may have (default: the model's context, "
-                        "as vLLM's max_model_len)")
-    g.add_argument("--max-num-seqs", type=positive_int, default=256,
-                   help="most sequences running at once (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=positive_int,
-                   help="token budget per step (default max(max-seq-len, 2048), at most 8192; longer prompts are chunked)")
-    g.add_argument("--batching", choices=("continuous", "static"), default="continuous",
-                   help="iteration-level (Orca/vLLM) or request-level (HF/FasterTransformer) batching")
-    g.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
-    g.add_argument("--swap-space-gb", type=float, default=4.0, help="CPU swap pool in GiB (default 4)")
-    g.add_argument("--queue-timeout", type=positive_float, metavar="S",
-                   help="refuse requests that waited longer than S seconds (a 503)")
-    g.add_argument("--truncate-prompts", action="store_true",
-                   help="cut prompts that exceed max-seq-len instead of refusing them")
-    g = p.add_argument_group("block sharing (paged allocators)")
-    g.add_argument("--parallel-samples", type=positive_int, default=1, metavar="N",
-                   help="decode N samples per prompt, sharing the prompt's blocks (default 1)")
-    g.add_argument("--beam-width", type=positive_int, default=1, metavar="W",
-                   help="beam search of width W: beams fork and are pruned every step (default 1)")
-    g.add_argument("--beam-theta", type=positive_float, default=None, metavar="θ",
-                   help="beam model: concentration of the next-token distributions; small = a "
-                        "confident model whose beams persist, large = beams collapse onto the "
-                        "best one (default: the workload's fitted value, alpaca-paper 0.2, "
-                        "sharegpt-paper 0.03; 0.1 for other traces)")
-    g.add_argument("--prefix-caching", action="store_true",
-                   help="reuse cached prompt blocks across requests (vLLM automatic prefix caching)")
-    g.add_argument("--system-prompt-len", type=int, default=0, metavar="S",
-                   help="prepend one shared S-token system prompt to every request (default 0)")
-    g = p.add_argument_group("cost model")
-    g.add_argument("--cost-model", default="auto", metavar="NAME|FILE",
-                   help="step times: auto (a fitted preset for the model and GPU if one exists, "
-                        "else roofline), roofline, fixed, a preset (vllm-paper, "
-                        "blis-llama-3.1-8b-h100) or a TOML file from fragsim calibrate "
-                        "(default: %(default)s)")
-    g.add_argument("--step-time", type=positive_float, default=0.02,
-                   help="seconds per step with --cost-model fixed (default 0.02)")
-
-
-def spec_from_args(args: argparse.Namespace) -> Any:
-    from fragsim.simulate import RunSpec
-
-    max_seq_len = args.max_seq_len
-    if max_seq_len is None:
-        from fragsim.simulate import _model_gpu
-
-        model, _ = _model_gpu(RunSpec(model=args.model, gpu=args.gpu, catalog=args.catalog,
-                                     kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto")))
-        max_seq_len = int(model.max_position_embeddings)
-    return RunSpec(
-        trace=args.trace, model=args.model, gpu=args.gpu, tp=args.tp, catalog=args.catalog,
-        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-        reserve=args.reserve, block_size=args.block_size, fit=args.fit,
-        max_seq_len=max_seq_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization, kv_slots=args.kv_slots,
-        kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
-        hybrid_chunked=getattr(args, "hybrid_chunked", False),
-        batching=args.batching, preemption=args.preemption, swap_space_gb=args.swap_space_gb,
-        queue_timeout_s=args.queue_timeout, truncate_prompts=args.truncate_prompts,
-        cost_model=args.cost_model, step_time_s=args.step_time, rate=args.rate,
-        arrival=args.arrival, cv=args.cv, num_requests=args.num_requests,
-        time_window_s=args.time_window, seed=args.seed,
-        exact_steps=getattr(args, "exact_steps", False),
-        address_map=getattr(args, "plot", False),
-        page_kb=getattr(args, "page_kb", 2048),
-        num_samples=getattr(args, "parallel_samples", 1),
-        beam_width=getattr(args, "beam_width", 1),
-        beam_theta=getattr(args, "beam_theta", None),
-        prefix_caching=getattr(args, "prefix_caching", False),
-        system_prompt_len=getattr(args, "system_prompt_len", 0),
-    )
-
-
-def parse_allocators(text: str) -> list[str]:
-    from fragsim.allocators import PLACEMENTS, PRESETS
-    from fragsim.errors import FragsimError
-    from fragsim.hybrid import MANAGERS
-
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    known = list(PRESETS) + list(PLACEMENTS) + list(MANAGERS)
-    bad = [n for n in names if n not in known]
-    if bad or not names:
-        raise FragsimError(f"--allocator: unknown {', '.join(bad) or '(empty)'}; known: {', '.join(known)}")
-    return names
-
-
-def full_attention_note(model: Any, gpu: Any, spec: Any) -> str:
-    """What a run of a hybrid model is: every layer simulated as full attention,
-    beside the pool vLLM would plan for its layer kinds."""
-    from fragsim.capacity import plan_capacity
-    from fragsim.simulate import pool_slots
-
-    kinds = sorted({layer.label() for layer in model.layer_specs})
-    slots = pool_slots(spec)
-    text = (f"{model.name} has {', '.join(kinds)} layers, but this run treats every layer as full "
-            f"attention: {model.kv_bytes_per_token_per_gpu(spec.tp):,} B per token, a pool of "
-            f"{slots:,} slots")
-    try:
-        plan = plan_capacity(model, gpu, tp=spec.tp, max_seq_len=spec.max_seq_len,
-                             gpu_memory_utilization=spec.gpu_memory_utilization,
-                             max_num_batched_tokens=spec.max_num_batched_tokens,
-                             kv_cache_memory_bytes=slots * model.kv_bytes_per_token_per_gpu(spec.tp))
-    except Exception:  # the note must never stop a run
-        return text
-    vllm = plan.to_dict()
-    naive = slots / spec.max_seq_len
-    return (text + f" ({naive:,.1f} requests of {spec.max_seq_len:,} tokens); vLLM's hybrid "
-            f"manager would fit {vllm['max_concurrency']:,.1f} in the same memory "
-            f"(fragsim capacity --model {spec.model} --gpu {spec.gpu} shows its groups)")
-
-
-#: why a hybrid KV manager holds more per request than the others (the overload note)
-HYBRID_WHY = {
-    "paged-uniform": "paged-uniform keeps every layer's KV for every token, a window's old blocks too",
-    "static-partition": "static-partition sizes a pool per kind up front, and one kind's free pages "
-                        "cannot serve another",
-    "vllm-hybrid": "vllm-hybrid pads its groups to one page size",
-    "jenga": "jenga strands free small pages in large pages carved for one kind",
-}
-
-
-def _overloaded(s: dict[str, Any]) -> bool:
-    return bool(s["mean_waiting"] > 4 * max(s["mean_running"], 1.0))
-
-
-def overload_notes(summaries: list[dict[str, Any]], spec: Any) -> list[str]:
-    """Which allocators could not keep up, and whether the GPU or their reservations are why."""
-    over = [s for s in summaries if _overloaded(s)]
-    if not over:
-        return []
-    worst = max(over, key=lambda s: s["mean_waiting"])
-    names = ", ".join(s["allocator"] for s in over)
-    served = [s for s in summaries if not _overloaded(s)]
-    if served:
-        paged = [s for s in served if s["allocator"] == "vllm"]
-        best = paged[0] if paged else max(served, key=lambda s: s["throughput_requests_per_s"])
-        if all(s["allocator"] in HYBRID_WHY for s in over):
-            why = ("how each lays out the layer kinds, not the GPU, limits the batch ("
-                   + "; ".join(HYBRID_WHY[s["allocator"]] for s in over) + ")")
-        else:
-            why = ("what each reserves, not the GPU, limits the batch (a max-length reservation is "
-                   f"--max-seq-len, {spec.max_seq_len:,} tokens, per request)")
-        return [f"{names} could not keep up: {worst['allocator']}'s queue held "
-                f"{worst['mean_waiting']:,.0f} requests on average and its p99 time to first token "
-                f"was {worst['p99_ttft_s']:,.0f} s, while {best['allocator']} served the same trace "
-                f"with {best['mean_waiting']:,.1f} waiting (p99 TTFT {best['p99_ttft_s']:,.2f} s): {why}"]
-    return [f"the trace offers more load than this GPU serves: {worst['allocator']}'s queue held "
-            f"{worst['mean_waiting']:,.0f} requests on average, so latencies grow over the run "
-            "(--rate, --time-window, a larger --gpu or --tp eases it)"]
-
-
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("run", help="replay a trace against allocators (the main job)",
                               description=DESCRIPTION, epilog=EPILOG,
@@ -273,83 +82,6 @@ def register(subparsers: Any) -> None:
                    help="run up to N allocators at once, each in its own process (default 1: one "
                         "after another, in this process); the results are the same")
     p.set_defaults(func=main)
-
-
-# -------------------------------------------------------------- parallel runs
-
-_progress_queue: Any = None
-
-
-def _init_worker(queue: Any) -> None:
-    global _progress_queue
-    _progress_queue = queue
-
-
-def _simulate_in_worker(task: tuple[Any, int, str, Any]) -> Any:
-    """Run ``i``, one allocator's, in a pool worker; its progress goes back through the queue."""
-    from fragsim.simulate import simulate
-
-    trace, i, name, spec = task
-    queue = _progress_queue
-
-    def report(done: int) -> None:
-        queue.put((i, done))
-
-    return simulate(trace, name, spec, progress=None if queue is None else report)
-
-
-def simulate_all(trace: Any, allocators: list[str], spec: Any, workers: int,
-                 progress: Any, on_result: Any) -> list[Any]:
-    """Every allocator's run, in the order given; ``progress(i, done)`` as run ``i``'s
-    requests finish (``done`` is the trace's length once it has ended) and ``on_result(i, result)`` as soon as run ``i`` and every run before it are
-    done (so that what is printed keeps the allocators' order).
-
-    With one worker the runs go one after another in this process; with more, each
-    runs in a process of a pool (:func:`fragsim.sweep.process_context`), and the
-    first failure cancels the runs not yet started."""
-    results: list[Any] = [None] * len(allocators)
-    if workers <= 1 or len(allocators) <= 1:
-        from fragsim.simulate import simulate
-
-        for i, name in enumerate(allocators):
-            progress(i, 0)
-            results[i] = simulate(trace, name, spec, progress=functools.partial(progress, i))
-            progress(i, len(trace))
-            on_result(i, results[i])
-        return results
-    import queue as queue_module
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
-    from fragsim.sweep import process_context
-
-    context = process_context(["fragsim.simulate"])
-    queue = context.Queue()
-    pool = ProcessPoolExecutor(max_workers=min(workers, len(allocators)), mp_context=context,
-                               initializer=_init_worker, initargs=(queue,))
-    shown = 0
-    try:
-        pending = {pool.submit(_simulate_in_worker, (trace, i, name, spec)): i for i, name in enumerate(allocators)}
-        for i in range(len(allocators)):
-            progress(i, 0)
-        while pending:
-            done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-            while True:
-                try:
-                    i, count = queue.get_nowait()
-                except queue_module.Empty:
-                    break
-                if results[i] is None:   # a report may come after its run's result
-                    progress(i, count)
-            for future in done:
-                i = pending.pop(future)
-                results[i] = future.result()
-                progress(i, len(trace))
-            while shown < len(results) and results[shown] is not None:
-                on_result(shown, results[shown])
-                shown += 1
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-    return results
 
 
 def main(args: argparse.Namespace) -> int:

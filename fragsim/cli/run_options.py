@@ -1,0 +1,156 @@
+"""``fragsim run``'s options: the workload, the model, GPU and memory, the allocators,
+the scheduler, block sharing and the cost model (:func:`add_workload_options`,
+:func:`add_system_options`), the :class:`~fragsim.simulate.RunSpec` they make
+(:func:`spec_from_args`) and the ``--allocator`` list checked (:func:`parse_allocators`,
+which ``fragsim validate`` uses too). The command itself is :mod:`fragsim.cli.run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fragsim.cli.args import positive_float, positive_int
+
+
+def _window(text: str) -> tuple[float, float]:
+    try:
+        start, end = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END in seconds, got {text!r}") from None
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"need 0 <= START < END, got {text}")
+    return start, end
+
+
+def add_workload_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--trace", default="azure-conv",
+                   help="bundled trace (azure-conv, azure-code), workload (sharegpt-paper, "
+                        "alpaca-paper) or a trace file path (default: %(default)s)")
+    g.add_argument("--num-requests", type=positive_int, help="keep the first N requests")
+    g.add_argument("--time-window", type=_window, metavar="START:END",
+                   help="keep requests arriving in [START, END) seconds")
+    g.add_argument("--rate", type=positive_float, help="re-time arrivals at this many requests/s")
+    g.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson",
+                   help="arrival process with --rate (default: %(default)s)")
+    g.add_argument("--cv", type=positive_float, default=1.0,
+                   help="coefficient of variation of gamma inter-arrivals (burstiness; default 1)")
+    g.add_argument("--seed", type=int, default=0, help="seed for arrivals and workloads (default 0)")
+
+
+def add_system_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model, GPU and memory")
+    g.add_argument("--model", default="llama-3.1-8b",
+                   help="model preset, or a Hugging Face config.json (or its folder) "
+                        "(default: %(default)s)")
+    g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="KV cache element type: auto (the model's), fp16, bf16, fp32, fp8, "
+                        "fp8_e4m3, fp8_e5m2 (default auto)")
+    g.add_argument("--gpu", default="h100-80gb", help="GPU preset (default: %(default)s)")
+    g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
+    g.add_argument("--catalog", help="TOML file with custom models/GPUs")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="fraction of GPU memory the engine may use (default 0.9)")
+    g.add_argument("--kv-slots", type=positive_int, help="KV pool size in tokens (overrides the budget)")
+    g.add_argument("--kv-cache-memory-bytes", type=positive_int, metavar="BYTES",
+                   help="KV pool size in bytes on one GPU, as vLLM's option (overrides the budget; "
+                        "dense allocators cut it into slots of every layer's KV)")
+    g.add_argument("--hybrid-chunked", action="store_true",
+                   help="vllm-hybrid: keep the hybrid manager for chunked local attention (Llama 4), "
+                        "as VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 does")
+    g = p.add_argument_group("allocator")
+    g.add_argument("--allocator", default="ft-static,orca-max,orca-pow2,orca-oracle,vllm",
+                   help="comma list of allocators/presets (default: %(default)s)")
+    g.add_argument("--reserve", choices=("max", "pow2", "oracle"),
+                   help="reservation policy for plain static/contiguous/buddy placements")
+    g.add_argument("--block-size", type=positive_int, default=16, help="paged block size (default 16)")
+    g.add_argument("--page-kb", type=int, choices=(64, 128, 256, 2048), default=2048,
+                   help="vmm physical page in KiB (default 2048; vattention is 2048 unless given)")
+    g.add_argument("--fit", choices=("first", "best"), default="first", help="contiguous placement fit")
+    g = p.add_argument_group("scheduler")
+    g.add_argument("--max-seq-len", type=positive_int,
+                   help="longest prompt+output a request may have (default: the model's context, "
+                        "as vLLM's max_model_len)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=256,
+                   help="most sequences running at once (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int,
+                   help="token budget per step (default max(max-seq-len, 2048), at most 8192; longer prompts are chunked)")
+    g.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                   help="iteration-level (Orca/vLLM) or request-level (HF/FasterTransformer) batching")
+    g.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
+    g.add_argument("--swap-space-gb", type=float, default=4.0, help="CPU swap pool in GiB (default 4)")
+    g.add_argument("--queue-timeout", type=positive_float, metavar="S",
+                   help="refuse requests that waited longer than S seconds (a 503)")
+    g.add_argument("--truncate-prompts", action="store_true",
+                   help="cut prompts that exceed max-seq-len instead of refusing them")
+    g = p.add_argument_group("block sharing (paged allocators)")
+    g.add_argument("--parallel-samples", type=positive_int, default=1, metavar="N",
+                   help="decode N samples per prompt, sharing the prompt's blocks (default 1)")
+    g.add_argument("--beam-width", type=positive_int, default=1, metavar="W",
+                   help="beam search of width W: beams fork and are pruned every step (default 1)")
+    g.add_argument("--beam-theta", type=positive_float, default=None, metavar="θ",
+                   help="beam model: concentration of the next-token distributions; small = a "
+                        "confident model whose beams persist, large = beams collapse onto the "
+                        "best one (default: the workload's fitted value, alpaca-paper 0.2, "
+                        "sharegpt-paper 0.03; 0.1 for other traces)")
+    g.add_argument("--prefix-caching", action="store_true",
+                   help="reuse cached prompt blocks across requests (vLLM automatic prefix caching)")
+    g.add_argument("--system-prompt-len", type=int, default=0, metavar="S",
+                   help="prepend one shared S-token system prompt to every request (default 0)")
+    g = p.add_argument_group("cost model")
+    g.add_argument("--cost-model", default="auto", metavar="NAME|FILE",
+                   help="step times: auto (a fitted preset for the model and GPU if one exists, "
+                        "else roofline), roofline, fixed, a preset (vllm-paper, "
+                        "blis-llama-3.1-8b-h100) or a TOML file from fragsim calibrate "
+                        "(default: %(default)s)")
+    g.add_argument("--step-time", type=positive_float, default=0.02,
+                   help="seconds per step with --cost-model fixed (default 0.02)")
+
+
+def spec_from_args(args: argparse.Namespace) -> Any:
+    from fragsim.simulate import RunSpec
+
+    max_seq_len = args.max_seq_len
+    if max_seq_len is None:
+        from fragsim.simulate import _model_gpu
+
+        model, _ = _model_gpu(RunSpec(model=args.model, gpu=args.gpu, catalog=args.catalog,
+                                     kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto")))
+        max_seq_len = int(model.max_position_embeddings)
+    return RunSpec(
+        trace=args.trace, model=args.model, gpu=args.gpu, tp=args.tp, catalog=args.catalog,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+        reserve=args.reserve, block_size=args.block_size, fit=args.fit,
+        max_seq_len=max_seq_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_slots=args.kv_slots,
+        kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
+        hybrid_chunked=getattr(args, "hybrid_chunked", False),
+        batching=args.batching, preemption=args.preemption, swap_space_gb=args.swap_space_gb,
+        queue_timeout_s=args.queue_timeout, truncate_prompts=args.truncate_prompts,
+        cost_model=args.cost_model, step_time_s=args.step_time, rate=args.rate,
+        arrival=args.arrival, cv=args.cv, num_requests=args.num_requests,
+        time_window_s=args.time_window, seed=args.seed,
+        exact_steps=getattr(args, "exact_steps", False),
+        address_map=getattr(args, "plot", False),
+        page_kb=getattr(args, "page_kb", 2048),
+        num_samples=getattr(args, "parallel_samples", 1),
+        beam_width=getattr(args, "beam_width", 1),
+        beam_theta=getattr(args, "beam_theta", None),
+        prefix_caching=getattr(args, "prefix_caching", False),
+        system_prompt_len=getattr(args, "system_prompt_len", 0),
+    )
+
+
+def parse_allocators(text: str) -> list[str]:
+    from fragsim.allocators import PLACEMENTS, PRESETS
+    from fragsim.errors import FragsimError
+    from fragsim.hybrid import MANAGERS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = list(PRESETS) + list(PLACEMENTS) + list(MANAGERS)
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise FragsimError(f"--allocator: unknown {', '.join(bad) or '(empty)'}; known: {', '.join(known)}")
+    return names

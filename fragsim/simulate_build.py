@@ -1,0 +1,120 @@
+"""A run built from its :class:`~fragsim.simulate_spec.RunSpec`: the allocator (a dense
+placement or preset, :func:`make_allocator`, or a hybrid KV manager,
+:func:`make_hybrid_manager`), the cost model and the engine (:func:`make_engine`).
+Running it and reading the result are :mod:`fragsim.simulate`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fragsim.allocators import PRESETS, create
+from fragsim.engine import Engine, EngineConfig
+from fragsim.errors import FragsimError
+from fragsim.simulate_spec import RunSpec, _model_gpu, beam_theta, pool_bytes, pool_slots
+
+
+def is_hybrid_manager(name: str) -> bool:
+    from fragsim.hybrid import MANAGERS
+
+    return name in MANAGERS
+
+
+def make_hybrid_manager(name: str, spec: RunSpec, model_gpu: tuple[Any, Any] | None = None) -> Any:
+    from fragsim.hybrid import create_manager
+
+    model, gpu = model_gpu or _model_gpu(spec)
+    try:
+        return create_manager(name, model, gpu, pool_bytes=pool_bytes(spec, (model, gpu)),
+                              max_seq_len=spec.max_seq_len,
+                              tp=spec.tp, block_size=spec.block_size, max_num_seqs=spec.max_num_seqs,
+                              max_num_batched_tokens=spec.max_num_batched_tokens,
+                              hybrid_chunked=spec.hybrid_chunked, track_ids=spec.address_map,
+                              prefix_caching=spec.prefix_caching)
+    except ValueError as exc:
+        raise FragsimError(f"allocator {name!r}: {exc}") from None
+
+
+def make_allocator(name: str, capacity: int, spec: RunSpec) -> Any:
+    placement = PRESETS[name][0] if name in PRESETS else name
+    options: dict[str, Any] = {"max_seq_len": spec.max_seq_len}
+    if placement in ("paged", "paged-shared"):
+        if name not in PRESETS or spec.block_size != 16:
+            options["block_size"] = spec.block_size
+        if spec.sharing:
+            from fragsim.allocators import SharedPagedAllocator
+
+            try:
+                return SharedPagedAllocator(capacity, name=name, **options)
+            except ValueError as exc:
+                raise FragsimError(f"allocator {name!r}: {exc}") from None
+    elif spec.sharing:
+        raise FragsimError(
+            f"allocator {name!r} ({placement}) cannot share blocks; parallel sampling, beam search "
+            "and prefix caching need a paged one: --allocator vllm (or paged)")
+    if placement == "vmm":
+        model, _ = _model_gpu(spec)
+        # One token of one layer's K (or V) buffer on one GPU: the unit pages are cut into.
+        options["token_bytes"] = model.kv_heads_per_gpu(spec.tp) * model.head_dim * model.kv_dtype_bytes
+        if name not in PRESETS or spec.page_kb != 2048:
+            options["page_bytes"] = spec.page_kb * 1024
+    if placement == "contiguous":
+        options["fit"] = spec.fit
+    if placement == "static":
+        options["max_num_seqs"] = spec.max_num_seqs
+    if spec.reserve is not None and placement not in ("paged", "vmm") and name not in PRESETS:
+        options["reserve"] = spec.reserve
+    try:
+        return create(name, capacity, **options)
+    except ValueError as exc:
+        raise FragsimError(str(exc)) from None
+
+
+def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
+                progress: Callable[[int], None] | None = None, check: bool = False,
+                cost: Any = None, model_gpu: tuple[Any, Any] | None = None) -> Engine:
+    """The engine a spec describes; ``cost`` (a cost model object) overrides
+    ``spec.cost_model`` (the calibration fit tries many), ``model_gpu`` the spec's
+    model and GPU (a model built in code, such as the validator's miniatures)."""
+    from fragsim.costmodel import make_cost_model
+
+    model, gpu = model_gpu or _model_gpu(spec)
+    hybrid = is_hybrid_manager(allocator_name)
+    allocator = make_hybrid_manager(allocator_name, spec, (model, gpu)) if hybrid \
+        else make_allocator(allocator_name, pool_slots(spec), spec)
+    try:
+        if cost is None:
+            cost = make_cost_model(spec.cost_model, model=model, gpu=gpu, tp=spec.tp,
+                                   step_time=spec.step_time_s)
+        kv_per_gpu = model.kv_bytes_per_token_per_gpu(spec.tp)
+        resolution = spec.timeseries_resolution_s
+        if resolution is None:
+            span = float(trace.arrival_s[-1]) if len(trace) else 1.0
+            resolution = max(span / 500.0, 0.1)
+        config = EngineConfig(
+            max_seq_len=spec.max_seq_len, max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens, batching=spec.batching,
+            preemption=spec.preemption,
+            swap_space_slots=int(spec.swap_space_gb * 2**30 // kv_per_gpu),
+            swap_bandwidth=gpu.pcie_bandwidth, kv_bytes_per_token=kv_per_gpu,
+            queue_timeout_s=spec.queue_timeout_s, truncate_prompts=spec.truncate_prompts,
+            exact_steps=spec.exact_steps, check=check, timeseries_resolution_s=resolution,
+            address_map_interval_s=(resolution * 4 if spec.address_map else None),
+            num_samples=spec.num_samples, beam_width=spec.beam_width,
+            beam_theta=beam_theta(spec), prefix_caching=spec.prefix_caching, sharing_seed=spec.seed,
+        )
+    except ValueError as exc:
+        raise FragsimError(str(exc)) from None
+    kv: Any = allocator
+    if hybrid:
+        from fragsim.kv.hybrid import HybridKV
+        from fragsim.prefix import PrefixKeys
+
+        keys = PrefixKeys(trace, allocator.block_size) if spec.prefix_caching and \
+            getattr(allocator, "prefix", None) is not None else None
+        kv = HybridKV(allocator, resolution, keys)
+    try:
+        return Engine(trace, kv, cost, config, progress=progress)
+    except ValueError as exc:
+        raise FragsimError(str(exc)) from None

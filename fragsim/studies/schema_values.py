@@ -1,0 +1,155 @@
+"""Checking an experiment file's keys and values: errors that name the file, the
+table and the key (:class:`_Where`), tables and arrays of tables, required keys,
+typed values, :class:`~fragsim.simulate.RunSpec` parameters against the field's type
+and allowed values (:data:`SPEC_TYPES`, :data:`CHOICES`) and sweep axes. The tables
+of a study are read with these in :mod:`fragsim.studies.schema_tables`.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from types import UnionType
+from typing import Any
+
+from fragsim.costmodel import COST_MODELS
+from fragsim.errors import FragsimError
+from fragsim.simulate import RunSpec
+
+#: RunSpec fields a study may set, with their types (the seed lives in [study])
+SPEC_TYPES: dict[str, Any] = {
+    name: hint for name, hint in typing.get_type_hints(RunSpec).items() if name != "seed"
+}
+SWEEPABLE = {**SPEC_TYPES, "seed": int}
+
+#: RunSpec string fields with a closed set of values, checked before anything runs
+CHOICES: dict[str, tuple[str, ...]] = {
+    "batching": ("continuous", "static"),
+    "preemption": ("recompute", "swap"),
+    "arrival": ("poisson", "gamma"),
+    "cost_model": COST_MODELS,
+    "fit": ("first", "best"),
+    "reserve": ("max", "pow2", "oracle"),
+}
+
+
+class _Where:
+    """Builds error messages that name the file and the table."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = path.name
+
+    def error(self, table: str, key: str | None, message: str) -> FragsimError:
+        where = f"{self.file}: {table}" + (f" {key}" if key else "")
+        return FragsimError(f"{where}: {message}")
+
+
+# ---------------------------------------------------------------- tables and keys
+
+def _table(where: _Where, raw: Mapping[str, Any], name: str, required: bool = False) -> dict[str, Any]:
+    if name not in raw:
+        if required:
+            raise where.error(f"[{name}]", None, "missing table")
+        return {}
+    value = raw[name]
+    if not isinstance(value, dict):
+        raise where.error(f"[{name}]", None, f"expected a table, got {type(value).__name__}")
+    return value
+
+
+def _list(where: _Where, raw: Mapping[str, Any], name: str) -> list[Any]:
+    value = raw.get(name, [])
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise where.error(f"[[{name}]]", None, "expected an array of tables")
+    return value
+
+
+def _no_unknown(where: _Where, table: str, values: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(values) - allowed)
+    if unknown:
+        raise where.error(table, unknown[0], f"unknown key; allowed: {', '.join(sorted(allowed))}")
+
+
+def _required(where: _Where, table: str, key: str, values: Mapping[str, Any]) -> Any:
+    if key not in values:
+        raise where.error(table, key, "required")
+    return values[key]
+
+
+def _typed(where: _Where, table: str, key: str, value: Any, kind: type) -> Any:
+    if not _is_a(value, kind):
+        raise where.error(table, key, f"expected {_type_name(kind)}, got {value!r}")
+    return float(value) if kind is float else value
+
+
+def _is_a(value: Any, kind: Any) -> bool:
+    """Does a TOML value fit a RunSpec annotation (int, float, str, bool, X | None, tuple)?"""
+    if isinstance(kind, UnionType) or typing.get_origin(kind) is typing.Union:
+        return any(_is_a(value, k) for k in typing.get_args(kind))
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if typing.get_origin(kind) is tuple:
+        args = typing.get_args(kind)
+        return (isinstance(value, list | tuple) and len(value) == len(args)
+                and all(_is_a(v, a) for v, a in zip(value, args, strict=True)))
+    return isinstance(value, kind)
+
+
+def _type_name(kind: Any) -> str:
+    if isinstance(kind, UnionType) or typing.get_origin(kind) is typing.Union:
+        return " or ".join(_type_name(k) for k in typing.get_args(kind) if k is not type(None))
+    if typing.get_origin(kind) is tuple:
+        return f"a list of {len(typing.get_args(kind))} numbers"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        kind, getattr(kind, "__name__", str(kind)))
+
+
+def _param(where: _Where, table: str, key: str, value: Any, allow_seed: bool = False) -> Any:
+    """One RunSpec value, checked against the field's type and its allowed values."""
+    kind = (SWEEPABLE if allow_seed else SPEC_TYPES).get(key)
+    if kind is None:
+        if key == "seed":
+            raise where.error(table, key, "set the seed in [study] (or sweep it in [sweep])")
+        raise where.error(table, key, "unknown parameter; allowed: any RunSpec field "
+                          f"({', '.join(sorted(SPEC_TYPES))})")
+    if not _is_a(value, kind):
+        raise where.error(table, key, f"expected {_type_name(kind)}, got {value!r}")
+    if key in CHOICES and value is not None and value not in CHOICES[key]:
+        raise where.error(table, key, f"expected one of {', '.join(CHOICES[key])}, got {value!r}")
+    if isinstance(value, list):
+        return tuple(float(v) for v in value)
+    if kind is float and isinstance(value, int):
+        return float(value)
+    return value
+
+
+def _params(where: _Where, table: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _param(where, table, k, v) for k, v in values.items()}
+
+
+def _axes(where: _Where, table: str, values: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+    """Sweep axes: every value a non-empty list; workload parameters as ``workload.x``."""
+    axes: dict[str, tuple[Any, ...]] = {}
+    for key, value in values.items():
+        if key == "workload" and isinstance(value, dict):
+            for wkey, wvalues in value.items():
+                axes[f"workload.{wkey}"] = _axis(where, table, f"workload.{wkey}", wvalues)
+            continue
+        axes[key] = tuple(_param(where, table, key, v, allow_seed=True)
+                          for v in _axis(where, table, key, value))
+    return axes
+
+
+def _axis(where: _Where, table: str, key: str, value: Any) -> tuple[Any, ...]:
+    if not isinstance(value, list) or not value:
+        raise where.error(table, key, "expected a non-empty list")
+    if len({repr(v) for v in value}) != len(value):
+        raise where.error(table, key, f"repeated values in {value!r}")
+    return tuple(value)
