@@ -20,6 +20,9 @@
    the copy bandwidth, reading a pool laid out as vLLM's hybrid manager lays it
    (K and V of a block side by side in one page: a block stride, not a slot stride).
 
+Part 2b sweeps the decode kernels' launch knobs (tile, warps, pipeline stages) at
+batch 64 × 2048 and 16 × 8192 and names the fastest (``kernel_sweep.json``).
+
 Each part has its own time budget and its own entry in the report; a part that
 fails or runs out of time is recorded as such and the others still run.
 """
@@ -105,6 +108,28 @@ def _plot_kernels(rows: list[dict[str, Any]], path: Path) -> None:
     ax.legend()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
+
+
+#: the knobs part 2b tries on the cases that miss the target
+SWEEP_GRID = {"block_n": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4)}
+
+
+def part_kernel_sweep(out: Path) -> dict[str, Any]:
+    """Which launch knobs read the pool fastest at batch 64 × 2048 and 16 × 8192."""
+    from gpu_backend.kernel_bench import sweep_decode_attention
+
+    rows = sweep_decode_attention("cuda", grid=SWEEP_GRID)
+    (out / "kernel_sweep.json").write_text(json.dumps(rows, indent=1, default=str))
+    best: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        key = f"{r['layout']} b{r['batch']} ctx{r['context']}"
+        if "gbps" in r and r["gbps"] > best.get(key, {}).get("gbps", 0):
+            best[key] = r
+    for key, r in best.items():
+        knobs = ", ".join(f"{k}={r[k]}" for k in SWEEP_GRID)
+        print(f"sweep best {key}: {r['gbps']:.0f} GB/s ({100 * r['frac_of_copy']:.1f}% of copy) "
+              f"with {knobs}", flush=True)
+    return {"best": best, "errors": sum("error" in r for r in rows)}
 
 
 HYBRID_MANAGERS = ["vllm-hybrid", "jenga", "static-partition", "paged-uniform"]
@@ -203,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                               "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     parts = [("native_caching", lambda: part_native_caching(out)),
              ("kernels", lambda: part_kernels(out)),
+             ("kernel_sweep", lambda: part_kernel_sweep(out)),
              ("window_kernels", lambda: part_window_kernels(out)),
              ("validate", lambda: part_validate(out, args.validate_budget, args.num_requests)),
              ("hybrid_validate", lambda: part_hybrid_validate(out, args.hybrid_budget, 120))]

@@ -38,6 +38,23 @@ __all__ = ["DeviceBackend", "StepRecord", "ValidationError"]
 class _Tracked:
     slots: torch.Tensor      # slot of each owned position, in sequence order
     written: int             # positions stored on the device so far
+    key: tuple[int, ...]     # the placement on the host (:func:`_placement_key`)
+
+
+def _placement_key(place: Any) -> tuple[int, ...]:
+    """A placement as host integers: an extent's (offset, length) with a leading -1, a
+    block table's block ids. A grown placement's key extends its old key."""
+    if isinstance(place, Extent):
+        return (-1, place.offset, place.length)
+    if isinstance(place, BlockTable):
+        return tuple(place.block_ids)
+    raise TypeError(f"unknown placement {place!r}")
+
+
+def _extends(new: tuple[int, ...], old: tuple[int, ...]) -> bool:
+    if new[:1] == (-1,):   # an extent grows in place: same offset, no shorter
+        return old[:2] == new[:2] and new[2] >= old[2]
+    return new[: len(old)] == old
 
 
 @dataclass
@@ -92,8 +109,7 @@ class DeviceBackend:
 
     # ------------------------------------------------------------ placement
 
-    def _slots_of(self, req: int) -> torch.Tensor:
-        place = self.allocator.placement(req)
+    def _slots_of(self, place: Any) -> torch.Tensor:
         device = self.pool.device
         if isinstance(place, Extent):
             return torch.arange(place.offset, place.offset + place.length, device=device)
@@ -107,19 +123,22 @@ class DeviceBackend:
         for req in [r for r in self._tracked if r not in live]:
             self.pool.release(self._tracked.pop(req).slots)
         for req, seq in live.items():
-            slots = self._slots_of(req)
+            place = self.allocator.placement(req)
+            key = _placement_key(place)
             old = self._tracked.get(req)
-            if old is not None and (len(slots) < len(old.slots)
-                                    or not torch.equal(slots[: len(old.slots)], old.slots)):
+            if old is not None and old.key == key:
+                continue   # most steps: the placement did not move (compared on the host)
+            if old is not None and not _extends(key, old.key):
                 # Same request, a new placement: it was preempted and admitted again.
                 self.pool.release(old.slots)
                 old = None
+            slots = self._slots_of(place)
             start = 0 if old is None else len(old.slots)
             if start < len(slots):
                 new = slots[start:]
                 positions = torch.arange(start, len(slots), device=self.pool.device)
                 self.pool.assign(new, req, positions, seq.final)
-            self._tracked[req] = _Tracked(slots, 0 if old is None else old.written)
+            self._tracked[req] = _Tracked(slots, 0 if old is None else old.written, key)
 
     def _write_tokens(self, live: dict[int, Any]) -> None:
         for req, seq in live.items():
@@ -197,10 +216,9 @@ class DeviceBackend:
         kind = a.placement_name
         if kind in ("paged", "vmm"):
             return pool.free_blocks(a.block_size, a.num_blocks) * a.block_size
-        if kind == "static":
-            entries = [pool.largest_free_run(i * a.max_seq_len, (i + 1) * a.max_seq_len)
-                       for i in range(a.num_entries)]
-            return a.max_seq_len if any(e == a.max_seq_len for e in entries) else 0
+        if kind == "static":   # an entry is allocatable when all its slots are free
+            entries = pool.free_mask()[: a.num_entries * a.max_seq_len].view(a.num_entries, a.max_seq_len)
+            return a.max_seq_len if bool(entries.all(dim=1).any()) else 0
         if kind == "buddy":
             return pool.largest_aligned_free(self._top_blocks)
         return pool.largest_free_run()
@@ -355,7 +373,7 @@ class SharedDeviceBackend(DeviceBackend):
         # Sequences placed earlier first: a fork's parent is known before its children.
         for seq in sorted(live, key=lambda s: (s in fork_of, s)):
             info = live[seq]
-            slots = self._slots_of(seq)
+            slots = self._slots_of(self.allocator.placement(seq))
             epoch = int(engine.requests.preemptions[info.req])
             was = old.get(seq)
             if was is not None and was.epoch == epoch:

@@ -198,6 +198,54 @@ def bench_decode_attention(
     return rows
 
 
+def sweep_decode_attention(
+    device: str | torch.device = "cuda",
+    cases: Sequence[tuple[int, int]] = ((64, 2048), (16, 8192)),
+    layouts: Sequence[str] = ("paged", "contiguous"),
+    grid: Mapping[str, Sequence[Any]] | None = None,
+    copy_gbps: float | None = None,
+    **shape: Any,
+) -> list[dict[str, Any]]:
+    """Every combination of the kernels' knobs in ``grid`` (default: ``block_n``,
+    ``num_warps``, ``num_stages``, ``num_splits``) on each (batch, context) of
+    ``cases``: one row per (case, layout, knobs), as :func:`bench_decode_attention`'s
+    rows with the knobs added. ``shape`` goes to :func:`make_decode_case`. A
+    combination the compiler rejects is a row with ``error`` set."""
+    import itertools
+
+    import triton.testing
+
+    device = _require_cuda(device)
+    grid = dict(grid or {"block_n": (32, 64, 128), "num_warps": (4, 8),
+                         "num_stages": (2, 3, 4), "num_splits": (None, 2)})
+    copy_gbps = copy_bandwidth_gbps(device) if copy_gbps is None else copy_gbps
+    rows: list[dict[str, Any]] = []
+    for batch, context in cases:
+        case = make_decode_case(batch, context, device=device, **shape)
+        nbytes = decode_bytes(case)
+        for layout in layouts:
+            for values in itertools.product(*grid.values()):
+                knobs = {**dict(zip(grid, values, strict=True)), "validate": False}
+                row: dict[str, Any] = {"batch": batch, "context": context, "layout": layout,
+                                       **{k: v for k, v in knobs.items() if k != "validate"}}
+                try:
+                    out = torch.empty_like(case.q)
+                    case.run(layout, out=out, **knobs)
+                    row["max_err"] = check_case(case, layout, out)
+                    ms = triton.testing.do_bench(
+                        lambda c=case, lay=layout, o=out, kw=knobs: c.run(lay, o, **kw),
+                        return_mode="median")
+                except Exception as exc:  # noqa: BLE001 - a rejected combination is a row
+                    rows.append({**row, "error": f"{type(exc).__name__}: {exc}"[:300]})
+                    continue
+                gbps = nbytes / (ms * 1e-3) / 1e9
+                rows.append({**row, "ms": ms, "bytes": nbytes, "gbps": gbps, "copy_gbps": copy_gbps,
+                             "frac_of_copy": gbps / copy_gbps})
+        del case
+        torch.cuda.empty_cache()
+    return rows
+
+
 def format_table(rows: Sequence[Mapping[str, Any]]) -> str:
     """Fixed-width table; ``paged/contig`` is the paged row's GB/s over its contiguous twin."""
     contig = {(r["batch"], r["context"]): r["gbps"] for r in rows if r["layout"] == "contiguous"}

@@ -119,9 +119,9 @@ class KVPool:
     def measure(self) -> MeasuredSplit:
         """The four-way split, from the device tensors alone."""
         owned_mask = self.owner >= 0
-        owned = int(owned_mask.sum().item())
-        written = int(self.written.sum().item())
-        internal = int((owned_mask & (self.position >= self.final)).sum().item())
+        owned, written, internal = (int(x) for x in torch.stack([
+            owned_mask.sum(), self.written.sum(),
+            (owned_mask & (self.position >= self.final)).sum()]).tolist())   # one device sync
         return MeasuredSplit(written, owned - written - internal, internal, self.num_slots - owned, owned)
 
     def free_mask(self) -> torch.Tensor:

@@ -82,15 +82,15 @@ def test_variants_follow_the_split_heuristic():
     # SMs batch 1 splits min(ceil(264 / 32), ceil(context / 256)) = 2, 8, 9; on 108 SMs
     # (A100) 2, 7, 7; batch >= 16 fills the card.
     bench = {v.name.rsplit("/s", 1)[1] for v in VARIANTS
-             if v.name.startswith("paged/fp16/q32kv32/d128/bs16/bn64/")}
+             if v.name.startswith("paged/fp16/q32kv32/d128/bs16/bn128/")}
     assert sorted(bench, key=int) == ["1", "2", "7", "8", "9"]
     # The validator's 40 kv heads: batch 1 reaches ceil(264 / 40) = 7 splits.
     validate = [v.name for v in VARIANTS if v.name.startswith("contiguous/fp32/q40kv40/")]
-    assert validate == [f"contiguous/fp32/q40kv40/d128/bn64/s{s}" for s in range(1, 8)]
+    assert validate == [f"contiguous/fp32/q40kv40/d128/bn128/s{s}" for s in range(1, 8)]
     by_name = {v.name: v for v in VARIANTS}
-    paged = by_name["paged/fp16/q40kv40/d128/bs16/bn64/s3"]
+    paged = by_name["paged/fp16/q40kv40/d128/bs16/bn128/s3"]
     assert paged.constexprs == {"GROUP": 1, "HEAD_DIM": 128, "BLOCK_G": 1, "BLOCK_D": 128,
-                                "BLOCK_N": 64, "NUM_SPLITS": 3, "USE_DOT": False,
+                                "BLOCK_N": 128, "NUM_SPLITS": 3, "USE_DOT": False,
                                 "DOT_PRECISION": "tf32", "BLOCK_SIZE": 16, "TILE_IN_BLOCK": False}
     assert paged.signature["part_ptr"] == "*fp32" and paged.attrs["stride_kh"]
     assert "num_q_heads" not in paged.attrs  # 40 is not a multiple of 16
