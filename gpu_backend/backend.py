@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from fragsim.allocators import BlockTable, Extent
@@ -141,45 +142,63 @@ class DeviceBackend:
             self._tracked[req] = _Tracked(slots, 0 if old is None else old.written, key)
 
     def _write_tokens(self, live: dict[int, Any]) -> None:
+        runs = []   # (request, first position to write, end)
         for req, seq in live.items():
             t = self._tracked[req]
             if seq.filled < t.written:
                 raise ValidationError(f"step {self._step}: request {req} shrank from "
                                       f"{t.written} to {seq.filled} stored tokens")
             if seq.filled > t.written:
-                positions = torch.arange(t.written, seq.filled, device=self.pool.device)
-                self.pool.write(t.slots[t.written: seq.filled], req, positions)
-                t.written = seq.filled
+                runs.append((req, t.written, seq.filled))
+        if runs:
+            slots = torch.cat([self._tracked[r].slots[a:b] for r, a, b in runs])
+            self.pool.write(slots, *self._tokens(runs))
+            for r, _, b in runs:
+                self._tracked[r].written = b
+
+    def _tokens(self, runs: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(request, position) of every token of the runs ``(request, start, end)``, on
+        the device, built on the host and copied once."""
+        lengths = np.array([b - a for _, a, b in runs])
+        reqs = np.repeat([r for r, _, _ in runs], lengths)
+        ends = np.cumsum(lengths)
+        positions = np.arange(ends[-1]) - np.repeat(ends - lengths - [a for _, a, _ in runs], lengths)
+        device = self.pool.device
+        return torch.from_numpy(reqs).to(device), torch.from_numpy(positions).to(device)
 
     # ------------------------------------------------------------ checks
 
     def _check_contents(self, live: dict[int, Any]) -> None:
-        for req in live:
-            t = self._tracked[req]
-            if t.written == 0:
-                continue
-            for layer in self.attention_layers:
-                bad = self.pool.verify(t.slots[: t.written], req, layer)
-                self.content_checks += 1
-                if bad is not None:
-                    slot = int(t.slots[bad].item())
-                    raise ValidationError(
-                        f"step {self._step}: request {req} position {bad} (slot {slot}, layer {layer}) "
-                        f"holds the wrong K/V (slot owner on device: {int(self.pool.owner[slot].item())})")
+        runs = [(r, 0, self._tracked[r].written) for r in live if self._tracked[r].written]
+        if not runs:
+            return
+        slots = torch.cat([self._tracked[r].slots[:n] for r, _, n in runs])
+        reqs, positions = self._tokens(runs)
+        for layer in self.attention_layers:
+            bad = self.pool.verify(slots, reqs, layer, positions)
+            self.content_checks += len(runs)
+            if bad is not None:
+                req, position, slot = int(reqs[bad]), int(positions[bad]), int(slots[bad])
+                raise ValidationError(
+                    f"step {self._step}: request {req} position {position} (slot {slot}, layer {layer}) "
+                    f"holds the wrong K/V (slot owner on device: {int(self.pool.owner[slot].item())})")
 
     def _check_attention(self, live: dict[int, Any]) -> None:
         from gpu_backend import kernels
-        from gpu_backend.reference import attend_one
+        from gpu_backend.reference import attend_runs
 
         reqs = [r for r, s in live.items() if s.decoding and s.filled > 0]
         if not reqs:
             return
         pool, device = self.pool, self.pool.device
-        lens = torch.tensor([live[r].filled for r in reqs], dtype=torch.int32, device=device)
+        filled = [live[r].filled for r in reqs]
+        lens = torch.tensor(filled, dtype=torch.int32, device=device)
         q = query_values(torch.tensor(reqs, device=device), self._step, self.num_q_heads,
                          pool.head_dim, pool.dtype)
+        token_reqs, positions = self._tokens([(r, 0, n) for r, n in zip(reqs, filled, strict=True)])
         paged = self.allocator.placement_name in ("paged", "vmm")
         scale = pool.head_dim ** -0.5
+        tol = 2e-2 if pool.dtype == torch.float16 else 1e-4
         for layer in self.attention_layers:
             if paged:
                 bs = self.allocator.block_size
@@ -194,17 +213,13 @@ class DeviceBackend:
                                        dtype=torch.int32, device=device)
                 out = kernels.contiguous_decode_attention(q, pool.k[layer], pool.v[layer], offsets, lens,
                                                           scale=scale)
-            for i, req in enumerate(reqs):
-                n = live[req].filled
-                positions = torch.arange(n, device=device)
-                rq = torch.full_like(positions, req)
-                k = kv_values(rq, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 0)
-                v = kv_values(rq, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 1)
-                want = attend_one(q[i], k, v, scale).float()
-                err = float((out[i].float() - want).abs().max().item())
+            k = kv_values(token_reqs, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 0)
+            v = kv_values(token_reqs, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 1)
+            want = attend_runs(q, k, v, filled, scale).float()
+            errors = (out.float() - want).abs().flatten(1).amax(1).tolist()   # one device sync
+            for req, n, err in zip(reqs, filled, errors, strict=True):
                 self.max_abs_error = max(self.max_abs_error, err)
                 self.attention_checks += 1
-                tol = 2e-2 if pool.dtype == torch.float16 else 1e-4
                 if not err <= tol:
                     self.attention_failures += 1
                     raise ValidationError(
@@ -477,53 +492,55 @@ class SharedDeviceBackend(DeviceBackend):
 
     def _check_shared_contents(self, live: dict[int, Any]) -> None:
         pool = self.pool
-        for seq, s in self._seqs.items():
-            n = live[seq].filled
-            if n == 0:
-                continue
-            positions = torch.arange(n, device=pool.device)
-            slots = s.slots[:n]
-            for layer in self.attention_layers:
-                want_k = kv_values(s.content[:n], positions, layer, pool.num_kv_heads, pool.head_dim,
-                                   pool.dtype, 0)
-                want_v = kv_values(s.content[:n], positions, layer, pool.num_kv_heads, pool.head_dim,
-                                   pool.dtype, 1)
-                bad = ((pool.k[layer, slots] != want_k) | (pool.v[layer, slots] != want_v)
-                       | ~pool.written[slots][:, None, None]).flatten(1).any(1)
-                self.content_checks += 1
-                if bool(bad.any()):
-                    at = int(torch.nonzero(bad)[0].item())
-                    raise ValidationError(
-                        f"step {self._step}: sequence {seq} (request {s.req}) position {at} "
-                        f"(slot {int(slots[at])}, layer {layer}, {int(self.ref[slots[at]])} holders) "
-                        "holds the wrong K/V")
+        seqs = [(seq, s, live[seq].filled) for seq, s in self._seqs.items() if live[seq].filled]
+        if not seqs:
+            return
+        slots = torch.cat([s.slots[:n] for _, s, n in seqs])
+        ids = torch.cat([s.content[:n] for _, s, n in seqs])
+        _, positions = self._tokens([(seq, 0, n) for seq, _, n in seqs])
+        for layer in self.attention_layers:
+            want_k = kv_values(ids, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 0)
+            want_v = kv_values(ids, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 1)
+            bad = ((pool.k[layer, slots] != want_k) | (pool.v[layer, slots] != want_v)
+                   | ~pool.written[slots][:, None, None]).flatten(1).any(1)
+            self.content_checks += len(seqs)
+            if bool(bad.any()):
+                first = int(torch.nonzero(bad)[0].item())
+                i = int(np.searchsorted(np.cumsum([n for _, _, n in seqs]), first, side="right"))
+                seq, s, _ = seqs[i]
+                at, slot = int(positions[first]), int(slots[first])
+                raise ValidationError(
+                    f"step {self._step}: sequence {seq} (request {s.req}) position {at} "
+                    f"(slot {slot}, layer {layer}, {int(self.ref[slot])} holders) "
+                    "holds the wrong K/V")
 
     def _check_shared_attention(self, live: dict[int, Any]) -> None:
         from gpu_backend import kernels
-        from gpu_backend.reference import attend_one
+        from gpu_backend.reference import attend_runs
 
         seqs = [q for q, s in live.items() if s.decoding and s.filled > 0]
         if not seqs:
             return
         pool, device, B = self.pool, self.pool.device, self.allocator.block_size
-        lens = torch.tensor([live[q].filled for q in seqs], dtype=torch.int32, device=device)
+        filled = [live[q].filled for q in seqs]
+        lens = torch.tensor(filled, dtype=torch.int32, device=device)
         q = query_values(torch.tensor(seqs, device=device), self._step, self.num_q_heads,
                          pool.head_dim, pool.dtype)
         tables = [self.allocator.placement(s).block_ids for s in seqs]
         table = torch.zeros((len(seqs), max(len(t) for t in tables)), dtype=torch.int32, device=device)
         for i, t in enumerate(tables):
             table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        ids = torch.cat([self._seqs[seq].content[:n] for seq, n in zip(seqs, filled, strict=True)])
+        _, positions = self._tokens([(seq, 0, n) for seq, n in zip(seqs, filled, strict=True)])
         scale = pool.head_dim ** -0.5
         tol = 2e-2 if pool.dtype == torch.float16 else 1e-4
         for layer in self.attention_layers:
             out = kernels.paged_decode_attention(q, pool.k[layer], pool.v[layer], table, lens, B, scale=scale)
-            for i, seq in enumerate(seqs):
-                n = live[seq].filled
-                positions = torch.arange(n, device=device)
-                ids = self._seqs[seq].content[:n]
-                k = kv_values(ids, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 0)
-                v = kv_values(ids, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 1)
-                err = float((out[i].float() - attend_one(q[i], k, v, scale).float()).abs().max().item())
+            k = kv_values(ids, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 0)
+            v = kv_values(ids, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 1)
+            want = attend_runs(q, k, v, filled, scale).float()
+            errors = (out.float() - want).abs().flatten(1).amax(1).tolist()   # one device sync
+            for seq, n, err in zip(seqs, filled, errors, strict=True):
                 self.max_abs_error = max(self.max_abs_error, err)
                 self.attention_checks += 1
                 if not err <= tol:

@@ -26,9 +26,11 @@ addresses are not the model's):
     co-location                      which live tensors share a segment
     OOMs                             the op indices that raised
 
-Known, expected sources of difference: best-fit ties between equal-sized free
-blocks are broken by address, and device addresses are ordered differently from
-the model's; a CUDA context or another library's allocations outside PyTorch's
+Best-fit ties between equal-sized free blocks are broken by address, so the model
+replays with the device's addresses: each malloc that took a new segment (the
+device's ``num_device_alloc`` rose) gives that segment's address, the tensor's, and
+the model's segments take them in the same order. Known, expected sources of
+difference: a CUDA context or another library's allocations outside PyTorch's
 allocator take memory the fraction does not see.
 
 Needs a CUDA device to replay; the comparison functions run anywhere.
@@ -90,11 +92,15 @@ def replay_model(
     max_split_size_mb: int | None = None,
     expandable_segments: bool = False,
     check_every: int | None = None,
+    segment_addresses: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """Run ``ops`` through the model: ``{"ooms": [op index, ...], "states": {op index: state}}``."""
+    """Run ``ops`` through the model: ``{"ooms": [op index, ...], "states": {op index: state}}``.
+    ``segment_addresses``: a device's segment addresses in allocation order, which the
+    model's segments then take (:class:`CachingAllocatorModel`)."""
     ops = _normalize(ops)
     model = CachingAllocatorModel(device_bytes, max_split_size_mb=max_split_size_mb,
-                                  expandable_segments=expandable_segments)
+                                  expandable_segments=expandable_segments,
+                                  segment_addresses=segment_addresses)
     live: dict[Hashable, int] = {}
     ooms: list[int] = []
     states: dict[int, dict[str, Any]] = {}
@@ -254,6 +260,10 @@ def replay_native(
     tensors: dict[Hashable, Any] = {}
     ooms: list[int] = []
     states: dict[int, dict[str, Any]] = {}
+    # A malloc that took a new segment got the segment's first block: its address is
+    # the segment's, which the model then takes for its own segment.
+    addresses: list[int] = []
+    device_allocs = start.get("num_device_alloc", 0)
     try:
         for i, op in enumerate(ops):
             if op[0] == "malloc":
@@ -261,6 +271,10 @@ def replay_native(
                     tensors[op[1]] = torch.empty(op[2], dtype=torch.uint8, device=dev)
                 except torch.cuda.OutOfMemoryError:
                     ooms.append(i)
+                now = torch.cuda.memory_stats(index).get("num_device_alloc", 0)
+                if now > device_allocs and op[1] in tensors:
+                    addresses.append(tensors[op[1]].data_ptr())
+                device_allocs = now
             else:
                 tensors.pop(op[1], None)
             if i in points:
@@ -276,12 +290,14 @@ def replay_native(
         torch.cuda.set_per_process_memory_fraction(1.0, index)
     native = {"ooms": ooms, "states": states}
     model = replay_model(ops, allowed, max_split_size_mb=max_split_size_mb,
-                         expandable_segments=expandable_segments, check_every=check_every)
+                         expandable_segments=expandable_segments, check_every=check_every,
+                         segment_addresses=None if expandable_segments else addresses)
     report["differences"] += compare_replays(model, native)
     report["model_ooms"], report["native_ooms"] = model["ooms"], ooms
     report["native_num_ooms"] = final.get("num_ooms", 0) - start.get("num_ooms", 0)
     report["native_num_alloc_retries"] = final.get("num_alloc_retries", 0) - start.get("num_alloc_retries", 0)
     report["model_num_alloc_retries"] = model["stats"]["num_alloc_retries"]
+    report["segment_addresses_mirrored"] = 0 if expandable_segments else len(addresses)
     report["checkpoints"] = [
         {"op_index": i, "model_reserved_bytes": model["states"][i]["reserved_bytes"],
          "native_reserved_bytes": states[i]["reserved_bytes"],

@@ -92,12 +92,16 @@ class KVPool:
         self.final[slots] = 0
         self.written[slots] = False
 
-    def write(self, slots: torch.Tensor, req: int, positions: torch.Tensor) -> None:
-        """Store the K/V of ``req`` at ``positions`` into ``slots`` (all layers)."""
-        if bool((self.owner[slots] != req).any()):
-            bad = int(slots[self.owner[slots] != req][:1].item())
-            raise ValidationError(f"request {req}: writing slot {bad} owned by {self.owner[bad].item()}")
-        reqs = torch.full_like(positions, req)
+    def write(self, slots: torch.Tensor, req: int | torch.Tensor, positions: torch.Tensor) -> None:
+        """Store the K/V of ``req`` (one request, or one per slot) at ``positions`` into
+        ``slots`` (all layers)."""
+        reqs = torch.full_like(positions, req) if isinstance(req, int) else req
+        wrong = self.owner[slots] != reqs
+        if bool(wrong.any()):
+            at = int(torch.nonzero(wrong)[0].item())
+            bad = int(slots[at].item())
+            raise ValidationError(f"request {int(reqs[at])}: writing slot {bad} owned by "
+                                  f"{self.owner[bad].item()}")
         for layer in range(self.num_layers):
             self.k[layer, slots] = kv_values(reqs, positions, layer, self.num_kv_heads,
                                              self.head_dim, self.dtype, 0)
@@ -105,10 +109,14 @@ class KVPool:
                                              self.head_dim, self.dtype, 1)
         self.written[slots] = True
 
-    def verify(self, slots: torch.Tensor, req: int, layer: int) -> int | None:
-        """First position whose stored K or V differs from its regenerated value, or None."""
-        positions = torch.arange(len(slots), device=self.device)
-        reqs = torch.full_like(positions, req)
+    def verify(self, slots: torch.Tensor, req: int | torch.Tensor, layer: int,
+               positions: torch.Tensor | None = None) -> int | None:
+        """Index of the first slot whose stored K or V differs from the value regenerated
+        for (request, position), or None. One request: its positions are 0, 1, ... unless
+        given; many (one per slot): ``positions`` too."""
+        if positions is None:
+            positions = torch.arange(len(slots), device=self.device)
+        reqs = torch.full_like(positions, req) if isinstance(req, int) else req
         want_k = kv_values(reqs, positions, layer, self.num_kv_heads, self.head_dim, self.dtype, 0)
         want_v = kv_values(reqs, positions, layer, self.num_kv_heads, self.head_dim, self.dtype, 1)
         bad = ((self.k[layer, slots] != want_k) | (self.v[layer, slots] != want_v)).flatten(1).any(1)

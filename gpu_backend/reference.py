@@ -53,6 +53,38 @@ def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     return torch.einsum("hs,shd->hd", weights, v).to(q.dtype)
 
 
+def attend_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[int],
+                scale: float, max_elements: int = 1 << 26) -> torch.Tensor:
+    """:func:`attend_one` for many sequences at once: ``q [batch, q_heads, head_dim]``,
+    sequence ``i`` over its run of ``lens[i]`` tokens in ``k, v [sum(lens), kv_heads,
+    head_dim]`` (the runs back to back, in order). Runs are padded to the longest and
+    masked; sequences go in chunks of at most ``max_elements`` padded K elements."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads = k.shape[1]
+    group = q_heads // kv_heads
+    out = torch.empty_like(q)
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    i = 0
+    while i < batch:
+        longest, j = lens[i], i + 1
+        while j < batch and (j + 1 - i) * max(longest, lens[j]) * q_heads * head_dim <= max_elements:
+            longest, j = max(longest, lens[j]), j + 1
+        first = torch.tensor(starts[i:j], device=q.device)
+        offsets = torch.arange(longest, device=q.device)
+        valid = offsets[None, :] < torch.tensor(lens[i:j], device=q.device)[:, None]
+        index = torch.where(valid, first[:, None] + offsets[None, :], 0)   # [chunk, longest]
+        kk, vv = k[index].float(), v[index].float()                         # [chunk, n, kv, d]
+        qq = q[i:j].float().view(j - i, kv_heads, group, head_dim)
+        scores = torch.einsum("bkgd,bnkd->bkgn", qq, kk) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        weights = torch.softmax(scores, dim=-1)
+        out[i:j] = torch.einsum("bkgn,bnkd->bkgd", weights, vv).reshape(j - i, q_heads, head_dim).to(q.dtype)
+        i = j
+    return out
+
+
 def contiguous_decode_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,

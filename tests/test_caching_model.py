@@ -339,3 +339,21 @@ TestExpandableMachine = ExpandableMachine.TestCase
 TestExpandableMachine.settings = _settings
 TestMaxSplitMachine = MaxSplitMachine.TestCase
 TestMaxSplitMachine.settings = _settings
+
+
+def test_segments_take_a_devices_addresses_and_ties_follow_them() -> None:
+    # Two free 20 MiB blocks of equal size: best fit takes the lower address. With the
+    # device's addresses the second segment lies lower, so it is the one taken.
+    high, low = 0x7F10_0000_0000, 0x7F00_0000_0000
+    for given, taken in ((None, 0), ([high, low], 1)):
+        m = CachingAllocatorModel(1 << 30, segment_addresses=given)
+        first, second = m.malloc(20 * MiB), m.malloc(20 * MiB)
+        if given:
+            assert (first, second) == (high, low)
+        m.free(first)
+        m.free(second)
+        assert m.malloc(20 * MiB) == (first, second)[taken]
+        assert m.malloc(20 * MiB) == (first, second)[1 - taken]
+        # the addresses ran out: the next segment lies past every address seen
+        fresh = m.malloc(20 * MiB)
+        assert fresh is not None and fresh >= max(first, second) + 20 * MiB

@@ -9,6 +9,7 @@ free lists with the bookkeeping that keeps them consistent. The allocator
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterator
 from typing import Any
 
 KiB = 1 << 10
@@ -117,6 +118,7 @@ class BlockStore:
     _unmapped: dict[str, dict[int, _Block]]
     _whole_free: dict[int, _Block]  # free blocks spanning a whole segment
     _next_addr: int
+    _given_addresses: Iterator[int]
 
     reserved_bytes: int
     allocated_bytes: int
@@ -134,8 +136,11 @@ class BlockStore:
         return SMALL_BUFFER if pool == SMALL else LARGE_BUFFER
 
     def _new_segment(self, size: int, pool: str, expandable: bool) -> _Segment:
-        segment = _Segment(self._next_addr, size, pool, expandable)
-        self._next_addr += _round_up(size, ROUND_LARGE)
+        addr = next(self._given_addresses, None)
+        if addr is None:
+            addr = self._next_addr
+        self._next_addr = max(self._next_addr, addr + _round_up(size, ROUND_LARGE))
+        segment = _Segment(addr, size, pool, expandable)
         self._segments[segment.addr] = segment
         return segment
 

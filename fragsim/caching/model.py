@@ -53,7 +53,7 @@ actually free).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from fragsim.caching.blocks import (
     _BASE_ADDRESS,
@@ -107,6 +107,11 @@ class CachingAllocatorModel(ExpandableSegmentsMixin, ReportMixin):
     - ``roundup_power2_divisions``: one int for every size, or 16 ints for the
       power-of-2 intervals 1 MiB, 2 MiB, ... 32 GiB and above (index 0 also
       covers sizes under 1 MiB); each a power of two, 0 or 1 meaning off.
+    - ``segment_addresses``: the addresses a real device gave its segments, in the
+      order they were allocated; each new segment takes the next one (then the bump
+      pointer, past every address given). Best-fit ties between equal-sized free
+      blocks go to the lowest address, so a replay that mirrors a device's addresses
+      breaks ties as that device did (:func:`gpu_backend.native_caching.replay_native`).
     """
 
     def __init__(
@@ -117,6 +122,7 @@ class CachingAllocatorModel(ExpandableSegmentsMixin, ReportMixin):
         expandable_segments: bool = False,
         roundup_power2_divisions: int | Sequence[int] | None = None,
         max_non_split_rounding_mb: int = 20,
+        segment_addresses: Iterable[int] | None = None,
     ) -> None:
         if not isinstance(device_bytes, int) or isinstance(device_bytes, bool) or device_bytes < SMALL_BUFFER:
             raise ValueError(f'"device_bytes" must be an integer >= {SMALL_BUFFER}, got {device_bytes!r}')
@@ -136,6 +142,7 @@ class CachingAllocatorModel(ExpandableSegmentsMixin, ReportMixin):
 
         self._segments = {}
         self._next_addr = _BASE_ADDRESS
+        self._given_addresses = iter(segment_addresses or ())
         self._free = {SMALL: [], LARGE: []}
         self._free_blocks = {}
         self._active = {}
