@@ -190,9 +190,10 @@ class Engine:
         True if the queue head is blocked (or the queue is empty)."""
         cfg, kv, width, reqs = self.cfg, self.kv, self.width, self.requests
         prefix = kv.prefix
+        running = self.num_running()
         while self.waiting:
             req = self.waiting[0]
-            if self.num_running() + width > cfg.max_num_seqs or self.budget <= 0:
+            if running + width > cfg.max_num_seqs or self.budget <= 0:
                 reqs.mark_blocked(req, BLOCK_BATCH)
                 return True
             prompt = int(reqs.prompt[req])
@@ -210,6 +211,7 @@ class Engine:
             if self.fork_log is not None:
                 self.fork_log += [(req, child, prompt) for child in seqs[1:]]
             self.waiting.popleft()
+            running += width
             reqs.status[req] = RUNNING
             done = hit.tokens if hit is not None else 0
             p = Prefill(req, context, done, seqs, admitted.rooms, admitted.shared, done)

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
+
 T = TypeVar("T")
 
 
@@ -44,6 +46,8 @@ def clip0(x: T) -> T:
     """``max(0, x)`` of an int, a numpy array or a torch tensor."""
     if isinstance(x, int):
         return x if x > 0 else 0  # type: ignore[return-value]
+    if isinstance(x, np.ndarray):   # NOTE: np.maximum is ~3x faster than .clip on small arrays
+        return np.maximum(x, 0)  # type: ignore[return-value]
     return x.clip(min=0)  # type: ignore[attr-defined,no-any-return]
 
 

@@ -209,7 +209,7 @@ class HybridManager:
             self.on_op(["e", seq_id, q], True, seq_id)
         return st.room_of(move.lo, move.hi)
 
-    def grow_many(self, seqs: np.ndarray, targets: np.ndarray | list[int]) -> list[int] | None:
+    def grow_many(self, seqs: np.ndarray | list[int], targets: np.ndarray | list[int]) -> list[int] | None:
         """:meth:`extend` of decoding sequences to ``targets`` (``targets − 1`` computed),
         in the order given, when the free memory is known to hold every block taken;
         returns each one's room then (:meth:`num_owned`), or None, with nothing
@@ -235,15 +235,18 @@ class HybridManager:
         st.commit_grown(np.asarray(seqs, dtype=np.int64), target_list, per_shape)
         return rooms
 
-    def free(self, seq_id: int) -> None:
+    def free(self, seq_id: int) -> list[int]:
+        """End a sequence; the blocks each group held for it."""
         if seq_id not in self.state.live:
             raise ValueError(f"free of unknown sequence {seq_id}")
-        self.pool.release(seq_id, self.state.blocks_held(seq_id))
+        held = self.state.blocks_held(seq_id)
+        self.pool.release(seq_id, held)
         if self.prefix is not None:
             self.prefix.forget(seq_id)
         self.state.end(seq_id)
         if self.on_op is not None:
             self.on_op(["f", seq_id], True, seq_id)
+        return held
 
     # -------------------------------------------------------------- stretches
 

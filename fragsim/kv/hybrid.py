@@ -136,13 +136,11 @@ class HybridKV:
 
     def grow_many(self, seqs: list[int], targets: list[int], rooms: Sequence[int],
                   finals: Sequence[int]) -> list[int] | None:
-        return self.manager.grow_many(np.array(seqs, dtype=np.int64), np.array(targets, dtype=np.int64))
+        return self.manager.grow_many(seqs, targets)
 
     def free(self, seq: int) -> int:
         m = self.manager
-        held = sum(n * r.block_bytes for n, r in zip(m.blocks_held(seq), m.rows, strict=True))
-        m.free(seq)
-        return held
+        return sum(n * r.block_bytes for n, r in zip(m.free(seq), m.rows, strict=True))
 
     def stretch(self, rows: Rows, k: int, head_tokens: int | None, stalled: bool) -> StretchMemory:
         m = self.manager

@@ -58,6 +58,12 @@ class Ledger:
         allocatable bytes (None: the free bytes of the pool's row)."""
         self.groups, self.capacity, self.bins = groups, int(capacity), bins
         self.free = [b.units for b in bins]
+        self._fixed_padding = self.capacity - sum(b.units * b.unit_bytes for b in bins)
+        self._checked: tuple[list[list[int]] | None, list[int]] = (None, [])
+        # per bin, the rows its free units show in and the bytes a unit adds there
+        pool_row = len(groups)
+        self._row_bytes = [[(pool_row, b.unit_bytes)] if b.in_pool_row
+                           else [(g, groups[g].block_bytes) for g in b.groups] for b in bins]
         self._largest = largest
         self.largest_is_free = largest is None and all(b.in_pool_row for b in bins)
         # [groups, bins]: 1 where the group draws on the bin (for summing bins)
@@ -114,10 +120,15 @@ class Ledger:
         return out
 
     def fits_batch(self, takes: list[list[int]], frees: list[list[int]]) -> bool:
-        return all(n <= f for n, f in zip(self._batch_need(takes), self.free, strict=True))
+        need = self._batch_need(takes)
+        self._checked = (takes, need)   # the manager places the batch it just checked
+        return all(n <= f for n, f in zip(need, self.free, strict=True))
 
     def place_batch(self, seqs: list[int], frees: list[list[int]], takes: list[list[int]]) -> None:
-        for j, (gain, need) in enumerate(zip(self._batch_need(frees), self._batch_need(takes), strict=True)):
+        checked, needs = self._checked
+        if checked is not takes:
+            needs = self._batch_need(takes)
+        for j, (gain, need) in enumerate(zip(self._batch_need(frees), needs, strict=True)):
             self.free[j] += gain - need
             if self.free[j] < 0:
                 raise AssertionError("a move ran out of blocks it was told were free")
@@ -169,10 +180,15 @@ class Ledger:
         return out
 
     def free_bytes(self) -> list[int]:
-        return self._rows_of(np.asarray(self.free, dtype=np.int64)).tolist()  # type: ignore[no-any-return]
+        """:meth:`_rows_of` of the free units now, in plain ints (asked every step)."""
+        out = [0] * (len(self.groups) + 1)
+        for units, rows in zip(self.free, self._row_bytes, strict=True):
+            for row, unit_bytes in rows:
+                out[row] += units * unit_bytes
+        return out
 
     def fixed_padding(self) -> int:
-        return self.capacity - sum(b.units * b.unit_bytes for b in self.bins)
+        return self._fixed_padding
 
     def largest_allocatable(self) -> int:
         rows = self.free_bytes()
