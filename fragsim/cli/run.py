@@ -34,8 +34,9 @@ fragmentation / free), external fragmentation, what runs, waits, is preempted or
 refused, and the throughput and latency that follow.
 
 With no options: the bundled Azure conversation trace (19,366 requests over
-3,500 s) on OPT-13B and one A100-40GB, as in the vLLM paper, for ft-static,
-orca-max, orca-pow2, orca-oracle and vllm."""
+3,500 s) on Llama-3.1-8B and one H100-80GB with the model's whole context, as
+vLLM serves it by default, for ft-static, orca-max, orca-pow2, orca-oracle and
+vllm."""
 
 EPILOG = """\
 allocators: a placement (static, contiguous, buddy, paged, paged-shared, vmm) or
