@@ -119,13 +119,14 @@ class HybridManager:
         changed. ``prompt_len`` (default ``num_slots − 1``) fixes where a caching pool
         keeps its sliding-window blocks. Returns the placement (block ids per group)
         where the pool keeps ids, else the blocks per group."""
-        if not self._allocate(seq_id, num_slots, hit, prompt_len):
+        if self._allocate(seq_id, num_slots, hit, prompt_len) is None:
             return None
         return self.placement(seq_id) if self.pool.keeps_ids else tuple(self.blocks_held(seq_id))
 
     def _allocate(self, seq_id: int, num_slots: int, hit: Hit | None = None,
-                  prompt_len: int | None = None) -> bool:
-        """:meth:`allocate` without building the placement: whether there was room."""
+                  prompt_len: int | None = None) -> int | None:
+        """:meth:`allocate` without building the placement: the new sequence's room
+        (:meth:`num_owned`), or None when there was no room."""
         if seq_id in self.state.live:
             raise ValueError(f"sequence {seq_id} is already allocated")
         if num_slots < 1:
@@ -142,7 +143,7 @@ class HybridManager:
         if self.on_op is not None:
             op = ["a", seq_id, num_slots, self._final(seq_id)]
             self.on_op(op if self.prefix is None else op + [prompt_len], ok, seq_id)
-        return ok
+        return self.state.room_of(move.lo, move.hi) if ok else None
 
     def _allocate_hit(self, seq_id: int, num_slots: int, hit: Hit | None,
                       prompt_len: int | None) -> tuple[Move, bool]:

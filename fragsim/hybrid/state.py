@@ -157,10 +157,14 @@ class SeqState:
         """A per-shape list spread over the groups (state groups get ``state``)."""
         return [per_shape[s] if s >= 0 else state for s in self.shape_of]
 
-    def commit(self, seq: int, q: int, move: Move) -> None:
-        """The sequence holds ``move``'s blocks now, with ``q`` requested."""
+    def commit(self, seq: int, q: int, move: Move, fresh: bool = False) -> None:
+        """The sequence holds ``move``'s blocks now, with ``q`` requested (``fresh``: it
+        held none before)."""
         final = int(self.finals[seq])
-        lo, hi = self.lo[:, seq].tolist(), self.hi[:, seq].tolist()
+        if fresh:
+            lo = hi = [0] * len(self._params)
+        else:
+            lo, hi = self.lo[:, seq].tolist(), self.hi[:, seq].tolist()
         for s, (b, _, _) in enumerate(self._params):
             lo0, hi0, lo1, hi1 = lo[s], hi[s], move.lo[s], move.hi[s]
             self.held[s] += (hi1 - lo1) - (hi0 - lo0)
@@ -174,9 +178,7 @@ class SeqState:
         self.ensure(seq)
         self.live[seq] = None
         self.finals[seq] = final
-        self.lo[:, seq] = 0
-        self.hi[:, seq] = 0
-        self.commit(seq, q, move)
+        self.commit(seq, q, move, fresh=True)
 
     def end(self, seq: int) -> None:
         zero = [0] * len(self.shapes)
@@ -261,15 +263,16 @@ class SeqState:
                     frs[s].append(x if x > 0 else 0)
                     x = hi1 - (hi0 if hi0 > lo1 else lo1)
                     tks[s].append(x if x > 0 else 0)
+                    lo1s[s].append(lo1)
                 else:
-                    frs[s].append(0)
                     tks[s].append(hi1 - hi0)
-                lo1s[s].append(lo1)
                 hi1s[s].append(hi1)
                 if end > final:  # only a block past the final length has a tail
                     tail_d[s] += tail_of(hi1, lo1, b, final) - tail_of(hi0, lo0, b, final)
             rooms.append(limit)
-        return rooms, [(los[s], his[s], lo1s[s], hi1s[s], frs[s], tks[s], tail_d[s]) for s in range(S)]
+        zero = [0] * len(seqs)
+        return rooms, [(los[s], his[s], lo1s[s] if params[s][2] else los[s], hi1s[s],
+                        frs[s] if params[s][2] else zero, tks[s], tail_d[s]) for s in range(S)]
 
     def commit_grown(self, seqs: np.ndarray, targets: list[int], per_shape: list[tuple]) -> None:
         """The sums and arrays after :meth:`grow_moves` took effect."""

@@ -115,14 +115,13 @@ class HybridKV:
         (seq,) = seqs
         self._bind(seq, final)
         m = self.manager
+        room = m._allocate(seq, tokens) if hit is None else m._allocate(seq, tokens, hit.detail, prompt)
+        if room is None:
+            return None
         if hit is not None:
-            if not m._allocate(seq, tokens, hit.detail, prompt):
-                return None
             assert self.prefix is not None
             self.prefix.count(hit, tokens - 1)
-        elif not m._allocate(seq, tokens):
-            return None
-        return Admitted((m.num_owned(seq),))
+        return Admitted((room,))
 
     def blocked_by_fragmentation(self, tokens: int) -> bool:
         return self.manager.num_free() >= self.manager.rounded(tokens)
