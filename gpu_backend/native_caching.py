@@ -308,6 +308,72 @@ def replay_native(
     return report
 
 
+def first_difference(ops: Iterable[Sequence[Any]], device: str = "cuda", *, device_bytes: int,
+                     context: int = 12) -> dict[str, Any]:
+    """Replay ``ops`` on the device and through the model in lockstep (the model's
+    segments at the device's addresses) and stop at the first op after which their
+    allocated or reserved bytes differ: that op, the ``context`` ops before it, and
+    both counters. Cheaper than snapshots at every op: two counters per op."""
+    import collections
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("first_difference needs a CUDA device; torch.cuda.is_available() is False")
+    ops = _normalize(ops)
+    index = torch.cuda.current_device()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    _set_allocator_settings("expandable_segments:False")
+    total = torch.cuda.get_device_properties(index).total_memory
+    fraction = device_bytes / total
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    allowed = int(fraction * total)
+    addresses: collections.deque[int] = collections.deque()
+
+    def given() -> Any:   # the device's segment addresses, as they appear
+        while True:
+            yield addresses.popleft() if addresses else None
+
+    model = CachingAllocatorModel(allowed, segment_addresses=given())
+    tensors: dict[Hashable, Any] = {}
+    live: dict[Hashable, int] = {}
+    device_allocs = torch.cuda.memory_stats(index).get("num_device_alloc", 0)
+    report: dict[str, Any] = {"device_bytes": allowed, "num_ops": len(ops), "first_difference": None}
+    try:
+        for i, op in enumerate(ops):
+            if op[0] == "malloc":
+                try:
+                    tensors[op[1]] = torch.empty(op[2], dtype=torch.uint8, device=device)
+                except torch.cuda.OutOfMemoryError:
+                    pass
+                stats = torch.cuda.memory_stats(index)
+                if stats.get("num_device_alloc", 0) > device_allocs and op[1] in tensors:
+                    addresses.append(tensors[op[1]].data_ptr())
+                device_allocs = stats.get("num_device_alloc", 0)
+                addr = model.malloc(op[2])
+                if addr is not None:
+                    live[op[1]] = addr
+            else:
+                tensors.pop(op[1], None)
+                if op[1] in live:
+                    model.free(live.pop(op[1]))
+                stats = torch.cuda.memory_stats(index)
+            native = (stats.get("allocated_bytes.all.current", 0), stats.get("reserved_bytes.all.current", 0))
+            if native != (model.allocated_bytes, model.reserved_bytes):
+                report["first_difference"] = {
+                    "op_index": i, "op": list(op), "ops_before": [list(o) for o in ops[max(0, i - context): i]],
+                    "native_allocated_bytes": native[0], "model_allocated_bytes": model.allocated_bytes,
+                    "native_reserved_bytes": native[1], "model_reserved_bytes": model.reserved_bytes}
+                break
+        report["ops_checked"] = i + 1 if ops else 0
+    finally:
+        tensors.clear()
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
+    return report
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m gpu_backend.native_caching --workload rag-longtail --hours 0.1 --out DIR``
     or ``--ops ops.json``; writes DIR/native_caching.json. Exit 0: no difference,
@@ -324,6 +390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--expandable-segments", action="store_true")
     p.add_argument("--check-every", type=int, default=10000, metavar="N", help="compare every N ops")
     p.add_argument("--out", default=".", metavar="DIR", help="folder for native_caching.json")
+    p.add_argument("--first-difference", action="store_true",
+                   help="replay in lockstep and stop at the first op where allocated or reserved "
+                        "bytes differ (writes first_difference.json)")
     args = p.parse_args(argv)
     device_bytes = int(args.device_gb * (1 << 30)) if args.device_gb else None
     if args.ops:
@@ -341,12 +410,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("native_caching: no CUDA device; nothing replayed", file=sys.stderr)
         return 2
-    report = replay_native(ops, args.device, device_bytes=device_bytes, max_split_size_mb=args.max_split_size_mb,
-                           expandable_segments=args.expandable_segments, check_every=args.check_every)
     from fragsim.caching.snapshot import write_atomically
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.first_difference:
+        if args.max_split_size_mb is not None or args.expandable_segments:
+            p.error("--first-difference replays the default settings only")
+        found = first_difference(ops, args.device, device_bytes=device_bytes or int(
+            torch.cuda.mem_get_info()[0] * 0.9))
+        write_atomically(out / "first_difference.json",
+                         lambda f: f.write(json.dumps(found, indent=1, default=str).encode()))
+        where = found["first_difference"]
+        print(f"first difference at op {where['op_index']}" if where else
+              f"no difference in {found['ops_checked']} ops")
+        return 0 if where is None else 1
+    report = replay_native(ops, args.device, device_bytes=device_bytes, max_split_size_mb=args.max_split_size_mb,
+                           expandable_segments=args.expandable_segments, check_every=args.check_every)
     write_atomically(out / "native_caching.json", lambda f: f.write(json.dumps(report, indent=1, default=str).encode()))
     print(f"{len(report['differences'])} difference(s); report in {out / 'native_caching.json'}")
     return 0 if report["ok"] else 1

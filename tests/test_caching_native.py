@@ -15,6 +15,7 @@ import pytest
 from gpu_backend.native_caching import (
     compare_replays,
     compare_states,
+    first_difference,
     main,
     replay_model,
     replay_native,
@@ -138,6 +139,8 @@ def _cuda() -> bool:
 def test_without_cuda(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
         replay_native(OPS)
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        first_difference(OPS, device_bytes=GiB)
     ops = tmp_path / "ops.json"
     ops.write_text(json.dumps(OPS))
     assert main(["--ops", str(ops), "--out", str(tmp_path)]) == 2
@@ -158,4 +161,8 @@ def test_native_replay_matches_the_model(tmp_path: Path) -> None:
     workload = [sys.executable, "-m", "gpu_backend.native_caching", "--workload", "rag-longtail",
                 "--hours", "0.01", "--out", str(tmp_path / "w")]
     assert subprocess.run(workload, capture_output=True, timeout=600).returncode in (0, 1)
+    first = subprocess.run(cmd[:7] + ["--first-difference", "--out", str(tmp_path)], capture_output=True,
+                           text=True, timeout=300)
+    found = json.loads((tmp_path / "first_difference.json").read_text())
+    assert first.returncode == 0 and found["first_difference"] is None, found
     assert (tmp_path / "w" / "native_caching.json").exists()
