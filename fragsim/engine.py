@@ -201,7 +201,7 @@ class Engine:
             context = prompt if width > 1 else prompt + int(reqs.generated[req])
             hit = prefix.lookup(req, prompt, context) if prefix is not None else None
             tokens = kv.admission_tokens(prompt, int(reqs.output[req]), context)
-            seqs = (req, *range(self._next_seq, self._next_seq + width - 1))
+            seqs = (req,) if width == 1 else (req, *range(self._next_seq, self._next_seq + width - 1))
             admitted = kv.admit(seqs, tokens, int(reqs.final[req]), prompt, hit)
             if admitted is None:
                 frag = kv.blocked_by_fragmentation(tokens)

@@ -154,13 +154,13 @@ class PagedAllocator(AllocatorCore):
         queue, head = self._queue, self._head
         free_end = len(queue)
         owned: list[int] = []
-        undo: list[tuple[list, int, int]] = []  # (entry, requested before, blocks it took)
+        before: list[int] = []  # what each growth that ran had requested (to undo it)
         for seq_id, total in zip(seq_ids, totals, strict=True):
             entry = seqs.get(seq_id)
             requested = entry[0] if entry is not None else 0
             if entry is None or total <= requested:
                 self._head = head
-                self._undo(undo)
+                self._undo(seq_ids, totals, before)
                 if entry is None:
                     raise ValueError(f"extend of unknown sequence {seq_id}")
                 raise ValueError(f"num_slots must be >= 1, got {total - requested}")
@@ -169,7 +169,7 @@ class PagedAllocator(AllocatorCore):
             if missing > 0:
                 if head + missing > free_end:
                     self._head = head
-                    self._undo(undo)
+                    self._undo(seq_ids, totals, before)
                     return None
                 ids = entry[1]
                 if type(ids) is not list:
@@ -179,16 +179,20 @@ class PagedAllocator(AllocatorCore):
                 else:
                     ids += queue[head : head + missing]
                 head += missing
-            undo.append((entry, requested, missing if missing > 0 else 0))
+            before.append(requested)
             entry[0] = total
             owned.append(blocks * block_size)
         self._head = head
         return owned
 
-    def _undo(self, done: list[tuple[list, int, int]]) -> None:
-        """Take back growth that ran, last first: its blocks return to the head."""
-        for entry, requested, taken in reversed(done):
-            if taken:
+    def _undo(self, seq_ids: Sequence[int], totals: Sequence[int], before: list[int]) -> None:
+        """Take back the growth that ran (the first ``len(before)``), last first: the
+        blocks each took return to the head."""
+        b = self.block_size
+        for i in reversed(range(len(before))):
+            entry, requested = self._seqs[seq_ids[i]], before[i]
+            taken = -(-totals[i] // b) + (-requested // b)
+            if taken > 0:
                 del entry[1][-taken:]  # a list: the growth that took them made it one
                 self._head -= taken
             entry[0] = requested

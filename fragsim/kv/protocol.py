@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -48,8 +48,7 @@ class Hit:
     detail: Any = None
 
 
-@dataclass(frozen=True)
-class Admitted:
+class Admitted(NamedTuple):
     """What an admission placed: each sequence's room, and the slots the new
     sequences share among themselves (a request's samples over its prompt), which a
     prefilling request's once-counted stored tokens do not count twice."""
