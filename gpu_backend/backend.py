@@ -185,7 +185,6 @@ class DeviceBackend:
 
     def _check_attention(self, live: dict[int, Any]) -> None:
         from gpu_backend import kernels
-        from gpu_backend.reference import attend_runs
 
         reqs = [r for r, s in live.items() if s.decoding and s.filled > 0]
         if not reqs:
@@ -198,7 +197,6 @@ class DeviceBackend:
         token_reqs, positions = self._tokens([(r, 0, n) for r, n in zip(reqs, filled, strict=True)])
         paged = self.allocator.placement_name in ("paged", "vmm")
         scale = pool.head_dim ** -0.5
-        tol = 2e-2 if pool.dtype == torch.float16 else 1e-4
         for layer in self.attention_layers:
             if paged:
                 bs = self.allocator.block_size
@@ -213,18 +211,31 @@ class DeviceBackend:
                                        dtype=torch.int32, device=device)
                 out = kernels.contiguous_decode_attention(q, pool.k[layer], pool.v[layer], offsets, lens,
                                                           scale=scale)
-            k = kv_values(token_reqs, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 0)
-            v = kv_values(token_reqs, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 1)
-            want = attend_runs(q, k, v, filled, scale).float()
-            errors = (out.float() - want).abs().flatten(1).amax(1).tolist()   # one device sync
-            for req, n, err in zip(reqs, filled, errors, strict=True):
-                self.max_abs_error = max(self.max_abs_error, err)
-                self.attention_checks += 1
-                if not err <= tol:
-                    self.attention_failures += 1
-                    raise ValidationError(
-                        f"step {self._step}: attention of request {req} over {n} tokens (layer {layer}) "
-                        f"differs from the reference by {err:.3g} (tolerance {tol})")
+            self._compare_attention(out, q, token_reqs, positions, filled, layer,
+                                    [f"request {r}" for r in reqs])
+
+    def _compare_attention(self, out: torch.Tensor, q: torch.Tensor, ids: torch.Tensor,
+                           positions: torch.Tensor, filled: list[int], layer: int,
+                           names: list[str]) -> None:
+        """The kernel's ``out`` against the reference over K/V regenerated for every token
+        (``ids``, ``positions``: the runs of ``filled`` tokens back to back), not read from
+        the pool, so a wrong slot fails; one device sync for the whole batch."""
+        from gpu_backend.reference import attend_runs
+
+        pool = self.pool
+        k = kv_values(ids, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 0)
+        v = kv_values(ids, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 1)
+        want = attend_runs(q, k, v, filled, pool.head_dim ** -0.5).float()
+        errors = (out.float() - want).abs().flatten(1).amax(1).tolist()
+        tol = 2e-2 if pool.dtype == torch.float16 else 1e-4
+        for name, n, err in zip(names, filled, errors, strict=True):
+            self.max_abs_error = max(self.max_abs_error, err)
+            self.attention_checks += 1
+            if not err <= tol:
+                self.attention_failures += 1
+                raise ValidationError(
+                    f"step {self._step}: attention of {name} over {n} tokens (layer {layer}) "
+                    f"differs from the reference by {err:.3g} (tolerance {tol})")
 
     def _measured_largest(self) -> int:
         a, pool = self.allocator, self.pool
@@ -516,7 +527,6 @@ class SharedDeviceBackend(DeviceBackend):
 
     def _check_shared_attention(self, live: dict[int, Any]) -> None:
         from gpu_backend import kernels
-        from gpu_backend.reference import attend_runs
 
         seqs = [q for q, s in live.items() if s.decoding and s.filled > 0]
         if not seqs:
@@ -533,18 +543,7 @@ class SharedDeviceBackend(DeviceBackend):
         ids = torch.cat([self._seqs[seq].content[:n] for seq, n in zip(seqs, filled, strict=True)])
         _, positions = self._tokens([(seq, 0, n) for seq, n in zip(seqs, filled, strict=True)])
         scale = pool.head_dim ** -0.5
-        tol = 2e-2 if pool.dtype == torch.float16 else 1e-4
         for layer in self.attention_layers:
             out = kernels.paged_decode_attention(q, pool.k[layer], pool.v[layer], table, lens, B, scale=scale)
-            k = kv_values(ids, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 0)
-            v = kv_values(ids, positions, layer, pool.num_kv_heads, pool.head_dim, pool.dtype, 1)
-            want = attend_runs(q, k, v, filled, scale).float()
-            errors = (out.float() - want).abs().flatten(1).amax(1).tolist()   # one device sync
-            for seq, n, err in zip(seqs, filled, errors, strict=True):
-                self.max_abs_error = max(self.max_abs_error, err)
-                self.attention_checks += 1
-                if not err <= tol:
-                    self.attention_failures += 1
-                    raise ValidationError(
-                        f"step {self._step}: attention of sequence {seq} over {n} tokens (layer {layer}) "
-                        f"differs from the reference by {err:.3g} (tolerance {tol})")
+            self._compare_attention(out, q, ids, positions, filled, layer,
+                                    [f"sequence {seq}" for seq in seqs])

@@ -39,6 +39,7 @@ Needs a CUDA device to replay; the comparison functions run anywhere.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 from collections import Counter
@@ -206,6 +207,64 @@ def _set_allocator_settings(env: str) -> None:
         torch.cuda.memory._set_allocator_settings(env)
 
 
+def _cap_allocator(device: str, device_bytes: int | None, settings: str) -> tuple[int, int]:
+    """An empty allocator on ``device`` with ``settings``, capped at ``device_bytes``
+    (default: 90% of the free memory) through the per-process memory fraction:
+    (the device's index, the bytes the allocator may take as it computes them)."""
+    import torch
+
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    torch.cuda.set_device(index)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    _set_allocator_settings(settings)
+    total = torch.cuda.get_device_properties(index).total_memory
+    free_now, _ = torch.cuda.mem_get_info(index)
+    if device_bytes is None:
+        device_bytes = int(free_now * 0.9)
+    if device_bytes > free_now:
+        raise ValueError(f"device_bytes {device_bytes} exceeds the {free_now} bytes free on {device}")
+    fraction = device_bytes / total
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return index, int(fraction * total)  # as the allocator computes allowed_memory_maximum
+
+
+class _DeviceOps:
+    """Ops on the device: the live tensors by key, and the address of every segment a
+    malloc made the allocator take (its first block, the tensor, starts there), in
+    the order taken: what the model's segments are given."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.tensors: dict[Hashable, Any] = {}
+        self.addresses: collections.deque[int] = collections.deque()
+        self._segments_taken = self.stats().get("num_device_alloc", 0)
+
+    def stats(self) -> dict[str, Any]:
+        """The allocator's counters (nested: cheaper than the flat ``memory_stats``)."""
+        import torch
+
+        return torch.cuda.memory.memory_stats_as_nested_dict(self.index)  # type: ignore[no-any-return]
+
+    def malloc(self, key: Hashable, size: int) -> tuple[bool, dict[str, Any]]:
+        """Whether ``size`` bytes could be had, and the counters after."""
+        import torch
+
+        try:
+            self.tensors[key] = torch.empty(size, dtype=torch.uint8, device=self.index)
+        except torch.cuda.OutOfMemoryError:
+            return False, self.stats()
+        stats = self.stats()
+        if stats.get("num_device_alloc", 0) > self._segments_taken:
+            self.addresses.append(self.tensors[key].data_ptr())
+        self._segments_taken = stats.get("num_device_alloc", 0)
+        return True, stats
+
+    def free(self, key: Hashable) -> None:
+        self.tensors.pop(key, None)
+
+
 def replay_native(
     ops: Iterable[Sequence[Any]],
     device: str = "cuda",
@@ -223,24 +282,10 @@ def replay_native(
     if not torch.cuda.is_available():
         raise RuntimeError("replay_native needs a CUDA device; torch.cuda.is_available() is False")
     ops = _normalize(ops)
-    dev = torch.device(device)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    torch.cuda.set_device(index)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
     settings = [f"expandable_segments:{expandable_segments}"]
     if max_split_size_mb is not None:
         settings.append(f"max_split_size_mb:{max_split_size_mb}")
-    _set_allocator_settings(",".join(settings))
-    total = torch.cuda.get_device_properties(index).total_memory
-    free_now, _ = torch.cuda.mem_get_info(index)
-    if device_bytes is None:
-        device_bytes = int(free_now * 0.9)
-    if device_bytes > free_now:
-        raise ValueError(f"device_bytes {device_bytes} exceeds the {free_now} bytes free on {device}")
-    fraction = device_bytes / total
-    torch.cuda.set_per_process_memory_fraction(fraction, index)
-    allowed = int(fraction * total)  # as the allocator computes allowed_memory_maximum
+    index, allowed = _cap_allocator(device, device_bytes, ",".join(settings))
     start = torch.cuda.memory_stats(index)
     report: dict[str, Any] = {
         "torch_version": torch.__version__,
@@ -257,47 +302,37 @@ def replay_native(
             "note": "the allocator held memory before the replay; run in a fresh process",
         })
     points = _checkpoints(len(ops), check_every)
-    tensors: dict[Hashable, Any] = {}
+    on_device = _DeviceOps(index)
     ooms: list[int] = []
     states: dict[int, dict[str, Any]] = {}
-    # A malloc that took a new segment got the segment's first block: its address is
-    # the segment's, which the model then takes for its own segment.
-    addresses: list[int] = []
-    device_allocs = start.get("num_device_alloc", 0)
     try:
         for i, op in enumerate(ops):
             if op[0] == "malloc":
-                try:
-                    tensors[op[1]] = torch.empty(op[2], dtype=torch.uint8, device=dev)
-                except torch.cuda.OutOfMemoryError:
+                if not on_device.malloc(op[1], op[2])[0]:
                     ooms.append(i)
-                now = torch.cuda.memory_stats(index).get("num_device_alloc", 0)
-                if now > device_allocs and op[1] in tensors:
-                    addresses.append(tensors[op[1]].data_ptr())
-                device_allocs = now
             else:
-                tensors.pop(op[1], None)
+                on_device.free(op[1])
             if i in points:
                 stats = torch.cuda.memory_stats(index)
                 segments = [s for s in torch.cuda.memory_snapshot() if s.get("device", index) == index]
                 states[i] = _state(segments, stats.get("reserved_bytes.all.current", 0),
                                    stats.get("allocated_bytes.all.current", 0),
-                                   {k: t.data_ptr() for k, t in tensors.items()})
+                                   {k: t.data_ptr() for k, t in on_device.tensors.items()})
         final = torch.cuda.memory_stats(index)
     finally:
-        tensors.clear()
+        on_device.tensors.clear()
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(1.0, index)
     native = {"ooms": ooms, "states": states}
     model = replay_model(ops, allowed, max_split_size_mb=max_split_size_mb,
                          expandable_segments=expandable_segments, check_every=check_every,
-                         segment_addresses=None if expandable_segments else addresses)
+                         segment_addresses=None if expandable_segments else list(on_device.addresses))
     report["differences"] += compare_replays(model, native)
     report["model_ooms"], report["native_ooms"] = model["ooms"], ooms
     report["native_num_ooms"] = final.get("num_ooms", 0) - start.get("num_ooms", 0)
     report["native_num_alloc_retries"] = final.get("num_alloc_retries", 0) - start.get("num_alloc_retries", 0)
     report["model_num_alloc_retries"] = model["stats"]["num_alloc_retries"]
-    report["segment_addresses_mirrored"] = 0 if expandable_segments else len(addresses)
+    report["segment_addresses_mirrored"] = 0 if expandable_segments else len(on_device.addresses)
     report["checkpoints"] = [
         {"op_index": i, "model_reserved_bytes": model["states"][i]["reserved_bytes"],
          "native_reserved_bytes": states[i]["reserved_bytes"],
@@ -308,67 +343,50 @@ def replay_native(
     return report
 
 
-def first_difference(ops: Iterable[Sequence[Any]], device: str = "cuda", *, device_bytes: int,
+def first_difference(ops: Iterable[Sequence[Any]], device: str = "cuda", *, device_bytes: int | None = None,
                      context: int = 12) -> dict[str, Any]:
     """Replay ``ops`` on the device and through the model in lockstep (the model's
     segments at the device's addresses) and stop at the first op after which their
     allocated or reserved bytes differ: that op, the ``context`` ops before it, and
     both counters. Cheaper than snapshots at every op: two counters per op."""
-    import collections
-
     import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError("first_difference needs a CUDA device; torch.cuda.is_available() is False")
     ops = _normalize(ops)
-    index = torch.cuda.current_device()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    _set_allocator_settings("expandable_segments:False")
-    total = torch.cuda.get_device_properties(index).total_memory
-    fraction = device_bytes / total
-    torch.cuda.set_per_process_memory_fraction(fraction, index)
-    allowed = int(fraction * total)
-    addresses: collections.deque[int] = collections.deque()
+    index, allowed = _cap_allocator(device, device_bytes, "expandable_segments:False")
+    on_device = _DeviceOps(index)
 
-    def given() -> Any:   # the device's segment addresses, as they appear
+    def given() -> Any:   # the device's segment addresses, as they are taken
         while True:
-            yield addresses.popleft() if addresses else None
+            yield on_device.addresses.popleft() if on_device.addresses else None
 
     model = CachingAllocatorModel(allowed, segment_addresses=given())
-    tensors: dict[Hashable, Any] = {}
     live: dict[Hashable, int] = {}
-    device_allocs = torch.cuda.memory_stats(index).get("num_device_alloc", 0)
-    report: dict[str, Any] = {"device_bytes": allowed, "num_ops": len(ops), "first_difference": None}
+    report: dict[str, Any] = {"device_bytes": allowed, "num_ops": len(ops), "first_difference": None,
+                              "ops_checked": 0}
     try:
         for i, op in enumerate(ops):
             if op[0] == "malloc":
-                try:
-                    tensors[op[1]] = torch.empty(op[2], dtype=torch.uint8, device=device)
-                except torch.cuda.OutOfMemoryError:
-                    pass
-                stats = torch.cuda.memory_stats(index)
-                if stats.get("num_device_alloc", 0) > device_allocs and op[1] in tensors:
-                    addresses.append(tensors[op[1]].data_ptr())
-                device_allocs = stats.get("num_device_alloc", 0)
+                stats = on_device.malloc(op[1], op[2])[1]
                 addr = model.malloc(op[2])
                 if addr is not None:
                     live[op[1]] = addr
             else:
-                tensors.pop(op[1], None)
+                on_device.free(op[1])
+                stats = on_device.stats()
                 if op[1] in live:
                     model.free(live.pop(op[1]))
-                stats = torch.cuda.memory_stats(index)
-            native = (stats.get("allocated_bytes.all.current", 0), stats.get("reserved_bytes.all.current", 0))
+            report["ops_checked"] = i + 1
+            native = (stats["allocated_bytes"]["all"]["current"], stats["reserved_bytes"]["all"]["current"])
             if native != (model.allocated_bytes, model.reserved_bytes):
                 report["first_difference"] = {
                     "op_index": i, "op": list(op), "ops_before": [list(o) for o in ops[max(0, i - context): i]],
                     "native_allocated_bytes": native[0], "model_allocated_bytes": model.allocated_bytes,
                     "native_reserved_bytes": native[1], "model_reserved_bytes": model.reserved_bytes}
                 break
-        report["ops_checked"] = i + 1 if ops else 0
     finally:
-        tensors.clear()
+        on_device.tensors.clear()
         torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(1.0, index)
     return report
@@ -417,8 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.first_difference:
         if args.max_split_size_mb is not None or args.expandable_segments:
             p.error("--first-difference replays the default settings only")
-        found = first_difference(ops, args.device, device_bytes=device_bytes or int(
-            torch.cuda.mem_get_info()[0] * 0.9))
+        found = first_difference(ops, args.device, device_bytes=device_bytes)
         write_atomically(out / "first_difference.json",
                          lambda f: f.write(json.dumps(found, indent=1, default=str).encode()))
         where = found["first_difference"]

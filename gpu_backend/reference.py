@@ -15,6 +15,7 @@ the latent instead of absorbing the up-projections, so the kernel's algebra is c
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -63,9 +64,7 @@ def attend_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: list[in
     kv_heads = k.shape[1]
     group = q_heads // kv_heads
     out = torch.empty_like(q)
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
+    starts = [0, *itertools.accumulate(lens)]
     i = 0
     while i < batch:
         longest, j = lens[i], i + 1

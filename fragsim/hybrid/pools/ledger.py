@@ -171,12 +171,9 @@ class Ledger:
     def _rows_of(self, free: np.ndarray) -> np.ndarray:
         """Free bytes per group and the pool (``[..., groups + 1]``) of free units per bin."""
         out = np.zeros(free.shape[:-1] + (len(self.groups) + 1,), dtype=np.int64)
-        for j, b in enumerate(self.bins):
-            if b.in_pool_row:
-                out[..., -1] += free[..., j] * b.unit_bytes
-            else:
-                for g in b.groups:
-                    out[..., g] += free[..., j] * self.groups[g].block_bytes
+        for j, rows in enumerate(self._row_bytes):
+            for row, unit_bytes in rows:
+                out[..., row] += free[..., j] * unit_bytes
         return out
 
     def free_bytes(self) -> list[int]:
