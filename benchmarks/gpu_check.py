@@ -42,14 +42,15 @@ from typing import Any
 ALLOCATORS = ["vllm", "orca-oracle", "orca-pow2", "orca-max", "contiguous", "ft-static"]
 
 
-def part_validate(out: Path, budget_s: float, num_requests: int) -> dict[str, Any]:
+def part_validate(out: Path, budget_s: float, num_requests: int,
+                  allocators: list[str] | None = None) -> dict[str, Any]:
     from fragsim.simulate import RunSpec
     from gpu_backend.validate import ModelShape, run_validation
 
     shape = ModelShape(num_layers=2, num_q_heads=40, num_kv_heads=40, head_dim=128, dtype="float16")
     spec = RunSpec(trace="azure-conv", model="llama-2-13b", gpu="a100-40gb", num_requests=num_requests)
     rows, deadline = [], time.monotonic() + budget_s
-    for name in ALLOCATORS:
+    for name in [a for a in ALLOCATORS if not allocators or a in allocators]:
         if time.monotonic() > deadline:
             rows.append({"allocator": name, "skipped": "time budget spent"})
             continue
@@ -137,7 +138,8 @@ def part_kernel_sweep(out: Path) -> dict[str, Any]:
 HYBRID_MANAGERS = ["vllm-hybrid", "jenga", "static-partition", "paged-uniform"]
 
 
-def part_hybrid_validate(out: Path, budget_s: float, num_requests: int) -> dict[str, Any]:
+def part_hybrid_validate(out: Path, budget_s: float, num_requests: int,
+                         managers: list[str] | None = None) -> dict[str, Any]:
     from fragsim.simulate import RunSpec
     from gpu_backend.validate import (
         CUDA_HYBRID_SCALE,
@@ -148,7 +150,7 @@ def part_hybrid_validate(out: Path, budget_s: float, num_requests: int) -> dict[
 
     rows, deadline = [], time.monotonic() + budget_s
     # manager by manager, every model for each: a budget that runs out still saw every model
-    for name in HYBRID_MANAGERS:
+    for name in [m for m in HYBRID_MANAGERS if not managers or m in managers]:
         for model, shape, pool_bytes in CUDA_HYBRID_SHAPES:
             spec = RunSpec(trace="azure-conv", model=model, gpu="h100-80gb", num_requests=num_requests,
                            max_seq_len=4096, rate=20.0)
@@ -213,13 +215,26 @@ def part_native_caching(out: Path) -> dict[str, Any]:
     return {"exit_code": code, "folder": str(folder)}
 
 
+PARTS = ("native_caching", "kernels", "kernel_sweep", "window_kernels", "validate", "hybrid_validate")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", help="folder for report.json and the figures")
     parser.add_argument("--num-requests", type=int, default=300)
     parser.add_argument("--validate-budget", type=float, default=180.0, help="seconds for part 1")
     parser.add_argument("--hybrid-budget", type=float, default=90.0, help="seconds for part 4")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to run (default: all of {', '.join(PARTS)})")
+    parser.add_argument("--allocators", default="",
+                        help="comma-separated dense allocators and hybrid KV managers to validate "
+                             "(default: all); lets a second run finish what a budget left out")
     args = parser.parse_args(argv)
+    wanted = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = sorted(set(wanted) - set(PARTS))
+    if unknown:
+        parser.error(f"--parts: unknown part(s) {', '.join(unknown)}; allowed: {', '.join(PARTS)}")
+    chosen = [a.strip() for a in args.allocators.split(",") if a.strip()] or None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -233,9 +248,11 @@ def main(argv: list[str] | None = None) -> int:
              ("kernels", lambda: part_kernels(out)),
              ("kernel_sweep", lambda: part_kernel_sweep(out)),
              ("window_kernels", lambda: part_window_kernels(out)),
-             ("validate", lambda: part_validate(out, args.validate_budget, args.num_requests)),
-             ("hybrid_validate", lambda: part_hybrid_validate(out, args.hybrid_budget, 120))]
+             ("validate", lambda: part_validate(out, args.validate_budget, args.num_requests, chosen)),
+             ("hybrid_validate", lambda: part_hybrid_validate(out, args.hybrid_budget, 120, chosen))]
     for name, fn in parts:
+        if name not in wanted:
+            continue
         t0 = time.perf_counter()
         try:
             report[name] = fn()

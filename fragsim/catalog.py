@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
 
@@ -39,6 +39,10 @@ from fragsim.configs import (  # noqa: F401  (re-exported: fragsim.catalog is wh
 )
 
 _HF = "huggingface.co/{}/blob/main/config.json"
+
+#: what ``fragsim run`` and ``fragsim capacity`` use when --model or --gpu is not given
+DEFAULT_MODEL = "llama-3.1-8b"
+DEFAULT_GPU = "h100-80gb"
 
 # Parameter totals are the checkpoints' exact counts; tests/test_catalog.py derives
 # each one again from the architecture. OPT's positional table has 2048 + 2 rows.
@@ -103,12 +107,35 @@ _GPUS = [
               arch="sm89"),
 ]
 
-# Models with layer kinds, read from their config.json fields (fragsim/presets.py).
-from fragsim.presets import hf_preset_models  # noqa: E402
+class Presets(Mapping[str, ModelConfig]):
+    """The model presets by name. Those read from a published config.json
+    (:mod:`fragsim.presets`) are read when first asked for, so a run that names one
+    model reads one file."""
 
-_MODELS += hf_preset_models()
+    def __init__(self, models: list[ModelConfig], readers: Mapping[str, Callable[[], ModelConfig]]) -> None:
+        self._models = {m.name: m for m in models}
+        self._readers = dict(readers)
+        self._names = [*self._models, *self._readers]
 
-MODELS: Mapping[str, ModelConfig] = MappingProxyType({m.name: m for m in _MODELS})
+    def __getitem__(self, name: str) -> ModelConfig:
+        if name not in self._models:
+            self._models[name] = self._readers[name]()     # KeyError when neither has it
+        return self._models[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._models or name in self._readers
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+# Models with layer kinds, read from their published config.json (fragsim/presets.py).
+from fragsim.presets import preset_readers  # noqa: E402
+
+MODELS: Mapping[str, ModelConfig] = Presets(_MODELS, preset_readers())
 GPUS: Mapping[str, GPUConfig] = MappingProxyType({g.name: g for g in _GPUS})
 
 Catalog = tuple[dict[str, ModelConfig], dict[str, GPUConfig]]

@@ -2,42 +2,49 @@
 that the KV cache depends on. The file is the user's; nothing is fetched.
 
 ``read_hf_config(path)`` takes a ``config.json`` or a directory that holds one and
-returns a :class:`fragsim.configs.ModelConfig` with its :attr:`layers`. Covered
-(``architectures[0]``)::
+returns a :class:`fragsim.configs.ModelConfig` with its :attr:`layers`.
 
-    dense      Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OPT
-               (a ``sliding_window`` on a model without ``layer_types`` makes every
-               layer sliding, as vLLM does for Mistral v0.1)
-    sliding    Gemma 2 / 3, gpt-oss: ``layer_types``, else the pattern fields
-               (Gemma 2 alternates from a sliding layer 0; Gemma 3 has
-               ``sliding_window_pattern`` − 1 sliding layers per full one)
-    chunked    Llama 4: ``layer_types``, else ``no_rope_layers`` (RoPE layers are
-               chunked, NoPE layers full) with ``attention_chunk_size``
-    mla        DeepSeek V2 / V3: ``kv_lora_rank`` + ``qk_rope_head_dim`` per token
-    linear     Qwen3-Next: Gated DeltaNet layers, full attention every
-               ``full_attention_interval``-th layer (or ``layer_types``)
-    mamba      Jamba (Mamba-1, ``attn_layer_period`` / ``attn_layer_offset``),
-               Bamba (``attn_layer_indices``), Nemotron-H (``hybrid_override_pattern``:
-               M mamba, * attention, - and E no cache), Falcon-H1 (attention and
-               Mamba-2 side by side in every layer)
+The file is read as transformers reads it: its config class (by ``model_type``, or
+by the architecture's model type when the file has none) fills in every field the
+file leaves out and derives ``layer_types`` from the pattern, interval and
+``no_rope_layers`` fields (Gemma 2 and 3, Llama 4, Qwen3-Next, Jamba, Bamba,
+Nemotron-H, Granite hybrids, ...). transformers is imported only here, when a
+config.json is read, and nothing is fetched (the config class is built from the
+file's own fields). Each layer type then maps to a layer kind::
 
-Multimodal wrappers are read through their ``text_config`` (a vision tower's
-weights are not counted). ``num_params`` is estimated from the architecture
-(embeddings, attention or MLA, dense or expert MLPs, Mamba and DeltaNet projections,
-RMSNorms; biases and MLA's small norms left out): exact for Llama and Qwen3, and
-``checkpoint_bytes`` follows ``quantization_config``: FP8 checkpoints keep one byte
-a weight, MXFP4 experts (gpt-oss) 4.25 bits.
+    full_attention       full          sliding_attention   sliding (``sliding_window``)
+    chunked_attention    chunked (``attention_chunk_size``)
+    linear_attention     a state layer: Mamba-1 (Jamba), Mamba-2 (Bamba, Nemotron-H,
+                         Granite hybrids, Falcon-H1) or Gated DeltaNet (Qwen3-Next)
+    hybrid               attention and a Mamba-2 mixer side by side (Falcon-H1)
+    mlp, moe             no cache (Nemotron-H's MLP and expert layers)
+
+A config with no layer types is all full attention, or all sliding when it sets a
+model-wide ``sliding_window`` (vLLM's rule for Mistral v0.1; Qwen2/3 switch it off
+with ``use_sliding_window = false``). DeepSeek V2 / V3 layers are MLA
+(``kv_lora_rank`` + ``qk_rope_head_dim`` per token). Any other decoder-only
+architecture whose config has the standard fields (layers, heads, KV heads, head
+dim, layer types, sliding window) needs no entry of its own.
+
+Multimodal wrappers are read through their ``text_config``, with its defaults filled
+in (a vision tower's weights are not counted). ``num_params`` is estimated from the
+architecture (embeddings, attention or MLA, dense or expert MLPs, Mamba and DeltaNet
+projections, RMSNorms; biases and MLA's small norms left out): exact for Llama and
+Qwen3, and ``checkpoint_bytes`` follows ``quantization_config``: FP8 checkpoints keep
+one byte a weight, MXFP4 experts (gpt-oss) 4.25 bits.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from fragsim.errors import FragsimError
-from fragsim.layers import LayerSpec, StateShape, chunked, full, mla, sliding, state_layer
+from fragsim.layers import LayerSpec, StateShape, full, mla, sliding, state_layer
+from fragsim.layers import chunked as chunked_layer
 
 _DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4, "half": 2, "float": 4}
 
@@ -71,13 +78,6 @@ class _Config:
                                f"{length} entries, got {len(value)}")
         return value
 
-    def text(self, key: str) -> str:
-        value = self.raw.get(key)
-        if not isinstance(value, str) or not value:
-            raise FragsimError(f"{self.where}: field {key!r} must be a non-empty string, "
-                               f"got {value!r}")
-        return value
-
 
 def _attention_dims(c: _Config) -> tuple[int, int, int]:
     heads = c.integer("num_attention_heads")
@@ -86,88 +86,71 @@ def _attention_dims(c: _Config) -> tuple[int, int, int]:
     return heads, kv_heads, head_dim
 
 
-def _layer_types(c: _Config, n: int, allowed: dict[str, str]) -> list[str] | None:
-    if not c.has("layer_types"):
-        return None
-    kinds = []
-    for i, name in enumerate(c.seq("layer_types", n)):
-        if name not in allowed:
-            raise FragsimError(f"{c.where}: layer_types[{i}] is {name!r}; allowed for "
-                               f"{c.arch}: {', '.join(allowed)}")
-        kinds.append(allowed[name])
-    return kinds
+# ---------------------------------------------------------------- reading as transformers does
+
+def _model_type(raw: dict[str, Any], arch: str) -> str | None:
+    """The file's ``model_type``, else the one transformers registers for ``arch``."""
+    if isinstance(raw.get("model_type"), str):
+        return str(raw["model_type"])
+    from transformers.models.auto import modeling_auto
+
+    for name in dir(modeling_auto):
+        if name.endswith("_MAPPING_NAMES"):
+            for model_type, classes in getattr(modeling_auto, name).items():
+                if arch in (classes if isinstance(classes, (list, tuple)) else (classes,)):
+                    return str(model_type)
+    return None
 
 
-def _windowed(c: _Config, n: int, kv_heads: int, head_dim: int, kinds: list[str]) -> list[LayerSpec]:
-    window = c.integer("sliding_window") if "sliding" in kinds else 0
-    chunk = c.integer("attention_chunk_size") if "chunked" in kinds else 0
-    out = []
-    for kind in kinds:
-        if kind == "sliding":
-            out.append(sliding(kv_heads, head_dim, window))
-        elif kind == "chunked":
-            out.append(chunked(kv_heads, head_dim, chunk))
-        else:
-            out.append(full(kv_heads, head_dim))
-    return out
+def as_transformers_reads(raw: dict[str, Any], where: str, arch: str) -> dict[str, Any]:
+    """The fields of a parsed ``config.json`` as transformers' config class for it sees
+    them: the file's own fields, then (for a multimodal file) its ``text_config``'s,
+    then every field of the completed text config, defaults and derived
+    ``layer_types`` included. A model type transformers does not know is read as
+    written."""
+    text = raw.get("text_config")
+    table = {**raw, **text} if isinstance(text, dict) else dict(raw)
+    try:
+        from transformers import CONFIG_MAPPING
+    except ImportError:  # pragma: no cover - a dependency; kept for a clear message
+        raise FragsimError(f"{where}: reading a config.json needs transformers "
+                           "(pip install 'transformers>=5.16.1')") from None
+    model_type = _model_type(raw, arch)
+    if model_type is None or model_type not in CONFIG_MAPPING:
+        return table
+    quiet = logging.getLogger("transformers")
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        config = CONFIG_MAPPING[model_type].from_dict({**raw, "model_type": model_type})
+        text_config = config.get_text_config()
+        completed = text_config.to_dict()
+        kinds = getattr(text_config, "layer_types", None)   # a property on some classes
+    except Exception as exc:  # noqa: BLE001 - transformers validates in many ways
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        why = why if len(why) <= 240 else why[:239] + "…"
+        raise FragsimError(f"{where}: transformers cannot read it as {model_type!r}: {why}") from None
+    finally:
+        quiet.level = level
+    table.update(completed)
+    # the standard names of fields a family calls otherwise (GPT-2's n_layer, ...)
+    for standard, own in getattr(type(text_config), "attribute_map", {}).items():
+        if table.get(standard) is None and completed.get(own) is not None:
+            table[standard] = completed[own]
+    if kinds is not None:
+        table["layer_types"] = list(kinds)
+    return table
 
 
-_ATTN_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+# ---------------------------------------------------------------- layer kinds
 
-
-def _dense_layers(c: _Config, n: int) -> list[LayerSpec]:
-    _, kv_heads, head_dim = _attention_dims(c)
-    kinds = _layer_types(c, n, _ATTN_TYPES)
-    if kinds is None:
-        # vLLM applies a model-wide sliding_window to every layer (Mistral v0.1);
-        # Qwen2/3 set one but switch it off with use_sliding_window = false.
-        on = c.has("sliding_window") and c.raw.get("use_sliding_window", True) is not False
-        kinds = ["sliding" if on else "full"] * n
-    return _windowed(c, n, kv_heads, head_dim, kinds)
-
-
-def _gemma_layers(c: _Config, n: int) -> list[LayerSpec]:
-    _, kv_heads, head_dim = _attention_dims(c)
-    kinds = _layer_types(c, n, _ATTN_TYPES)
-    if kinds is None:
-        if c.arch.startswith("Gemma2"):
-            kinds = ["sliding" if i % 2 == 0 else "full" for i in range(n)]
-        else:
-            period = c.integer("sliding_window_pattern")
-            kinds = ["full" if (i + 1) % period == 0 else "sliding" for i in range(n)]
-    return _windowed(c, n, kv_heads, head_dim, kinds)
-
-
-def _llama4_layers(c: _Config, n: int) -> list[LayerSpec]:
-    _, kv_heads, head_dim = _attention_dims(c)
-    kinds = _layer_types(c, n, {"chunked_attention": "chunked", "full_attention": "full"})
-    if kinds is None:
-        rope = c.seq("no_rope_layers", n)
-        on = c.has("attention_chunk_size")
-        kinds = ["chunked" if flag and on else "full" for flag in rope]
-    return _windowed(c, n, kv_heads, head_dim, kinds)
-
-
-def _deepseek_layers(c: _Config, n: int) -> list[LayerSpec]:
-    return [mla(c.integer("kv_lora_rank"), c.integer("qk_rope_head_dim"))] * n
-
-
-def _qwen3_next_layers(c: _Config, n: int) -> list[LayerSpec]:
-    _, kv_heads, head_dim = _attention_dims(c)
-    kinds = _layer_types(c, n, {"full_attention": "full", "linear_attention": "linear"})
-    if kinds is None:
-        period = c.integer("full_attention_interval")
-        kinds = ["full" if (i + 1) % period == 0 else "linear" for i in range(n)]
-    state = StateShape("gdn", conv_kernel=c.integer("linear_conv_kernel_dim"),
-                       num_heads=c.integer("linear_num_key_heads"),
-                       head_dim=c.integer("linear_key_head_dim"),
-                       num_v_heads=c.integer("linear_num_value_heads"),
-                       v_head_dim=c.integer("linear_value_head_dim"))
-    return [full(kv_heads, head_dim) if k == "full" else state_layer("linear", state) for k in kinds]
+_LAYER_TYPES = {"full_attention": "full", "attention": "full", "sliding_attention": "sliding",
+                "chunked_attention": "chunked", "linear_attention": "state", "mamba": "state",
+                "hybrid": "hybrid", "mlp": None, "moe": None}
 
 
 def _mamba2_state(c: _Config, prefix: str = "mamba_", ssm_dtype: str = "auto") -> StateShape:
-    """Mamba-2 dims; Bamba and Falcon-H1 prefix them ``mamba_``, Nemotron-H does not."""
+    """Mamba-2 dims; Bamba, Granite hybrids and Falcon-H1 prefix them ``mamba_``,
+    Nemotron-H does not."""
     if prefix:
         heads, head_dim = c.integer("mamba_n_heads"), c.integer("mamba_d_head")
         groups, state, kernel = c.integer("mamba_n_groups"), c.integer("mamba_d_state"), c.integer("mamba_d_conv")
@@ -180,57 +163,63 @@ def _mamba2_state(c: _Config, prefix: str = "mamba_", ssm_dtype: str = "auto") -
                       n_groups=groups, num_heads=heads, head_dim=head_dim, ssm_dtype=ssm_dtype)
 
 
-def _mamba_hybrid_layers(c: _Config, n: int) -> list[LayerSpec]:
-    _, kv_heads, head_dim = _attention_dims(c)
-    attention = full(kv_heads, head_dim)
-    if c.arch.startswith("Jamba"):
-        period, offset = c.integer("attn_layer_period"), c.integer("attn_layer_offset", low=0)
+def _state_layer(c: _Config, where: str) -> LayerSpec:
+    """A state layer of ``c``'s family: its state's shape is the family's own."""
+    arch = c.arch
+    if arch.startswith("Jamba"):
         inner = c.integer("mamba_expand") * c.integer("hidden_size")
-        m1 = StateShape("mamba1", conv_kernel=c.integer("mamba_d_conv"), intermediate_size=inner,
-                        state_size=c.integer("mamba_d_state"))
-        return [attention if i % period == offset else state_layer("mamba", m1) for i in range(n)]
-    if c.arch.startswith("Bamba"):
-        picked = c.seq("attn_layer_indices")
-        bad = [i for i in picked if not isinstance(i, int) or not 0 <= i < n]
-        if bad:
-            raise FragsimError(f"{c.where}: attn_layer_indices must be layer numbers in "
-                               f"[0, {n - 1}], got {bad[0]!r}")
-        m2 = _mamba2_state(c)
-        return [attention if i in picked else state_layer("mamba", m2) for i in range(n)]
-    if c.arch.startswith("NemotronH"):
-        pattern = c.text("hybrid_override_pattern")
-        if len(pattern) != n or set(pattern) - set("M*-E"):
-            raise FragsimError(f"{c.where}: hybrid_override_pattern must have num_hidden_layers = "
-                               f"{n} characters of M, *, -, E, got {pattern!r}")
+        return state_layer("mamba", StateShape("mamba1", conv_kernel=c.integer("mamba_d_conv"),
+                                               intermediate_size=inner,
+                                               state_size=c.integer("mamba_d_state")))
+    if arch.startswith("Qwen3Next"):
+        return state_layer("linear", StateShape(
+            "gdn", conv_kernel=c.integer("linear_conv_kernel_dim"),
+            num_heads=c.integer("linear_num_key_heads"), head_dim=c.integer("linear_key_head_dim"),
+            num_v_heads=c.integer("linear_num_value_heads"),
+            v_head_dim=c.integer("linear_value_head_dim")))
+    if arch.startswith("NemotronH"):
         dtype = c.raw.get("mamba_ssm_cache_dtype") or "float32"
-        m2 = _mamba2_state(c, prefix="", ssm_dtype=dtype)
-        return [state_layer("mamba", m2) if ch == "M" else attention
-                for ch in pattern if ch in "M*"]
-    # Falcon-H1: each decoder layer runs attention and a Mamba-2 mixer in parallel.
-    m2 = _mamba2_state(c)
-    return [layer for _ in range(n) for layer in (attention, state_layer("mamba", m2))]
+        return state_layer("mamba", _mamba2_state(c, prefix="", ssm_dtype=dtype))
+    if arch.startswith(("Bamba", "FalconH1", "GraniteMoeHybrid")):
+        return state_layer("mamba", _mamba2_state(c))
+    raise FragsimError(f"{where}: {arch} has state (linear-attention or Mamba) layers, whose "
+                       f"state shape fragsim knows for Jamba, Bamba, Nemotron-H, Granite "
+                       f"hybrids, Falcon-H1 and Qwen3-Next only")
 
 
-# architectures[0] → layer builder; a prefix match covers the *ForCausalLM /
-# *ForConditionalGeneration variants.
-_FAMILIES = {
-    "LlamaFor": _dense_layers, "MistralFor": _dense_layers, "MixtralFor": _dense_layers,
-    "Qwen2For": _dense_layers, "Qwen3For": _dense_layers, "Qwen3MoeFor": _dense_layers,
-    "OPTFor": _dense_layers,
-    "Gemma2For": _gemma_layers, "Gemma3For": _gemma_layers, "GptOssFor": _gemma_layers,
-    "Llama4For": _llama4_layers,
-    "DeepseekV2For": _deepseek_layers, "DeepseekV3For": _deepseek_layers,
-    "Qwen3NextFor": _qwen3_next_layers,
-    "JambaFor": _mamba_hybrid_layers, "BambaFor": _mamba_hybrid_layers,
-    "NemotronHFor": _mamba_hybrid_layers, "FalconH1For": _mamba_hybrid_layers,
-}
-
-
-def _family(arch: str) -> Any:
-    for prefix, build in _FAMILIES.items():
-        if arch.startswith(prefix):
-            return build
-    return None
+def _layers(c: _Config, n: int) -> list[LayerSpec]:
+    """Every layer's spec, from the layer types (see the module docstring)."""
+    if c.arch.startswith("DeepseekV"):
+        return [mla(c.integer("kv_lora_rank"), c.integer("qk_rope_head_dim"))] * n
+    _, kv_heads, head_dim = _attention_dims(c)
+    if c.has("layer_types"):
+        types = c.seq("layer_types", n)
+    else:
+        # vLLM applies a model-wide sliding_window to every layer (Mistral v0.1);
+        # Qwen2/3 set one but switch it off with use_sliding_window = false.
+        on = c.has("sliding_window") and c.raw.get("use_sliding_window", True) is not False
+        types = ["sliding_attention" if on else "full_attention"] * n
+    out: list[LayerSpec] = []
+    state: LayerSpec | None = None
+    for i, name in enumerate(types):
+        if name not in _LAYER_TYPES:
+            raise FragsimError(f"{c.where}: layer_types[{i}] is {name!r}; fragsim knows "
+                               f"{', '.join(_LAYER_TYPES)}")
+        kind = _LAYER_TYPES[name]
+        if kind in ("state", "hybrid"):
+            state = state or _state_layer(c, c.where)
+        if kind in ("full", "hybrid"):
+            out.append(full(kv_heads, head_dim))
+        elif kind == "sliding":
+            out.append(sliding(kv_heads, head_dim, c.integer("sliding_window")))
+        elif kind == "chunked":
+            out.append(chunked_layer(kv_heads, head_dim, c.integer("attention_chunk_size")))
+        if kind in ("state", "hybrid"):
+            assert state is not None
+            out.append(state)
+    if not out:
+        raise FragsimError(f"{c.where}: no layer holds a KV cache (layer_types has only mlp/moe)")
+    return out
 
 
 def _load(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
@@ -256,12 +245,14 @@ def is_config_path(name: str) -> bool:
     return name.endswith(".json") or os.sep in name or "/" in name or Path(name).is_dir()
 
 
-def read_hf_config(path: str | os.PathLike[str]) -> Any:
+def read_hf_config(path: str | os.PathLike[str], name: str | None = None) -> Any:
     """The :class:`~fragsim.catalog.ModelConfig` a ``config.json`` (or the folder
-    holding one) describes."""
+    holding one) describes; ``name`` defaults to the file's ``_name_or_path`` or folder."""
     p, raw = _load(path)
-    name = str(raw.get("_name_or_path") or "").split("/")[-1] or p.parent.name or p.stem
-    return model_from_hf(raw, str(p), name=name.lower(), source=str(p))
+    if name is None:
+        stem = p.parent.name if p.name == "config.json" else p.stem
+        name = (str(raw.get("_name_or_path") or "").split("/")[-1] or stem).lower()
+    return model_from_hf(raw, str(p), name=name, source=str(p))
 
 
 def model_from_hf(raw: dict[str, Any], where: str, *, name: str, source: str) -> Any:
@@ -273,19 +264,17 @@ def model_from_hf(raw: dict[str, Any], where: str, *, name: str, source: str) ->
     if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
         raise FragsimError(f"{where}: missing field 'architectures' (a list naming the model class)")
     arch = archs[0]
-    build = _family(arch)
-    if build is None:
-        known = ", ".join(sorted(k + "*" for k in _FAMILIES))
-        raise FragsimError(f"{where}: unknown architecture {arch!r}; known: {known}")
-    text = raw.get("text_config")
-    table = {**raw, **text} if isinstance(text, dict) else raw
+    if raw.get("is_encoder_decoder") is True:
+        raise FragsimError(f"{where}: {arch} is an encoder-decoder model; fragsim models "
+                           "decoder-only ones")
+    table = as_transformers_reads(raw, where, arch)
     c = _Config(table, where, arch)
     n = c.integer("num_hidden_layers")
-    layers = tuple(build(c, n))
+    layers = tuple(_layers(c, n))
     heads, kv_heads, head_dim = _attention_dims(c)
     if arch.startswith("DeepseekV"):
         kv_heads, head_dim = heads, c.integer("v_head_dim")
-    dtype_name = table.get("torch_dtype") or table.get("dtype") or "bfloat16"
+    dtype_name = table.get("dtype") or table.get("torch_dtype") or "bfloat16"
     if dtype_name not in _DTYPES:
         raise FragsimError(f"{where}: field 'torch_dtype' must be one of {', '.join(_DTYPES)}, "
                            f"got {dtype_name!r}")
@@ -350,12 +339,12 @@ def _estimate_weights(c: _Config, arch: str, layers: tuple[LayerSpec, ...],
         period, offset = c.integer("expert_layer_period", 1), c.integer("expert_layer_offset", 0, low=0)
         moe_layers = sum(1 for i in range(n) if experts and i % period == offset)
     elif arch.startswith("NemotronH"):
-        moe_layers = c.raw.get("hybrid_override_pattern", "").count("E") if experts else 0
+        moe_layers = list(c.raw.get("layer_types") or ()).count("moe") if experts else 0
     else:
         moe_layers = (n - first_dense) if experts else 0
     mlp_layers = n
     if arch.startswith("NemotronH"):
-        mlp_layers = c.raw.get("hybrid_override_pattern", "").count("-")
+        mlp_layers = list(c.raw.get("layer_types") or ()).count("mlp")
     dense_layers = max(0, mlp_layers - moe_layers) if not arch.startswith("NemotronH") else mlp_layers
     # Two norms a decoder layer (Qwen3 adds per-head q/k norms) and a final one.
     norms = (2 * h + (2 * head_dim if arch.startswith("Qwen3For") else 0)) * n + h

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from fragsim.simulate import RunSpec, load_workload, make_engine, pool_slots
+from fragsim.simulate import RunSpec, load_workload, make_engine
+from gpu_backend import POOL_REQUESTS
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,16 @@ def scaled_trace(trace: Any, scale: float) -> Any:
                  block_hashes=trace.block_hashes, block_hash_size=hash_size, has_timestamps=True)
 
 
+def miniature_pool_bytes(mini: Any, max_seq_len: int, max_num_seqs: int, tp: int = 1) -> int:
+    """The default pool of a hybrid validation: every layer's KV for
+    :data:`POOL_REQUESTS` requests of ``max_seq_len`` tokens of ``mini``, and a state
+    per state layer for each of the ``max_num_seqs`` sequences the scheduler may run
+    (paged-uniform keeps those slots up front)."""
+    states = sum(layer.state_bytes(mini.dtype_bytes, tp) for layer in mini.layer_specs
+                 if layer.state is not None)
+    return POOL_REQUESTS * mini.kv_bytes_per_token_per_gpu(tp) * max_seq_len + max_num_seqs * states
+
+
 def run_validation(spec: RunSpec, allocator: str, *, device: str = "cpu", shape: ModelShape | None = None,
                    scale: float = 1.0, attention_every: int = 1, corrupt: Any = None,
                    offset: int = 0) -> ValidationReport:
@@ -97,9 +108,9 @@ def run_validation(spec: RunSpec, allocator: str, *, device: str = "cpu", shape:
     shape = shape or ModelShape()
     if not 0 < scale <= 1:
         raise ValueError(f"scale must be in (0, 1], got {scale}")
-    capacity = spec.kv_slots or max(16, int(pool_slots(spec) * scale))
-    spec = dataclasses.replace(spec, exact_steps=True, kv_slots=capacity,
-                               max_seq_len=max(16, int(math.ceil(spec.max_seq_len * scale))))
+    max_seq_len = max(16, int(math.ceil(spec.max_seq_len * scale)))
+    capacity = spec.kv_slots or POOL_REQUESTS * max_seq_len
+    spec = dataclasses.replace(spec, exact_steps=True, kv_slots=capacity, max_seq_len=max_seq_len)
     trace = load_workload(spec)
     if offset:
         from fragsim.traces import slice_trace
@@ -219,12 +230,12 @@ def run_hybrid_validation(spec: RunSpec, allocator: str, *, device: str = "cpu",
     whose pool lives on ``device``; the byte split must agree at every step.
 
     Lengths, windows and chunks are multiplied by ``scale``; the pool (unless
-    ``pool_bytes``) holds about ``scale`` times the tokens the full-size pool holds.
+    ``pool_bytes``) is :func:`miniature_pool_bytes`: sized for the miniature, never for
+    the full model on a GPU.
     """
     import torch
 
     from fragsim.catalog import get_gpu, get_model
-    from fragsim.simulate import pool_bytes as full_pool_bytes
     from gpu_backend.hybrid_backend import HybridDeviceBackend
     from gpu_backend.hybrid_layout import layout_of, miniature
     from gpu_backend.hybrid_pool import HybridPool
@@ -239,11 +250,11 @@ def run_hybrid_validation(spec: RunSpec, allocator: str, *, device: str = "cpu",
     dtype = getattr(torch, shape.dtype)
     mini = miniature(model, num_layers=shape.num_layers, kv_heads=shape.num_kv_heads,
                      head_dim=shape.head_dim, scale=scale, dtype_bytes=2 if dtype == torch.float16 else 4)
+    max_seq_len = max(16, int(math.ceil(spec.max_seq_len * scale)))
     if pool_bytes is None:
-        tokens = full_pool_bytes(spec, (model, gpu)) / max(1, model.kv_bytes_per_token_per_gpu(spec.tp))
-        pool_bytes = max(1 << 16, int(tokens * scale * mini.kv_bytes_per_token_per_gpu(spec.tp)))
+        pool_bytes = miniature_pool_bytes(mini, max_seq_len, spec.max_num_seqs, spec.tp)
     spec = dataclasses.replace(spec, exact_steps=True, address_map=True, kv_cache_memory_bytes=pool_bytes,
-                               max_seq_len=max(16, int(math.ceil(spec.max_seq_len * scale))))
+                               max_seq_len=max_seq_len)
     trace = load_workload(spec)
     if offset:
         from fragsim.traces import slice_trace

@@ -161,7 +161,7 @@ def test_cli_table_and_list(capsys):
         (["--model", "opt-13b", "--gpu", "a100-40gb", "--tp", "0"], "(--tp) must be an integer >= 1"),
         (["--model", "opt-13b", "--gpu", "a100-40gb", "--block-size", "0"], "(--block-size)"),
         (["--model", "gpt-5", "--gpu", "a100-40gb"], "unknown model 'gpt-5' (--model); known: "),
-        (["--gpu", "a100-40gb"], "--model and --gpu are required"),
+        (["--gpu", "a100-40gb"], "--model is required"),
         (["--model", "opt-13b", "--gpu", "l4", "--catalog", "missing.toml"], "cannot read catalog"),
     ],
 )
@@ -177,3 +177,12 @@ def test_longer_than_the_model_context_is_noted_not_refused():
     r = plan_capacity(MODELS["llama-2-7b"], A100_80, max_seq_len=16384, batch=1)
     assert r.static_kv_bytes == 16384 * MODELS["llama-2-7b"].kv_bytes_per_token
     assert any("exceeds llama-2-7b's context of 4,096" in n for n in r.notes)
+
+
+def test_capacity_without_gpu_uses_the_run_default(capsys):
+    from fragsim.catalog import DEFAULT_GPU
+
+    assert main(["capacity", "--model", "llama-3.1-8b", "--json"]) == 0
+    without = json.loads(capsys.readouterr().out)
+    assert main(["capacity", "--model", "llama-3.1-8b", "--gpu", DEFAULT_GPU, "--json"]) == 0
+    assert without == json.loads(capsys.readouterr().out) and without["gpu"] == "h100-80gb"

@@ -130,3 +130,37 @@ def test_overload_note_names_the_hybrid_managers_reason() -> None:
     assert set(HYBRID_WHY) == set(MANAGERS)   # every manager has its reason
     (gpu,) = overload_notes([summary("vllm-hybrid", 400.0), summary("jenga", 300.0)], spec)
     assert gpu.startswith("the trace offers more load than this GPU serves: vllm-hybrid's queue")
+
+
+def test_default_allocators_follow_the_model_and_the_sharing() -> None:
+    from fragsim.catalog import MODELS
+    from fragsim.cli.run_options import DENSE_DEFAULT, HYBRID_DEFAULT, default_allocators
+    from fragsim.simulate import RunSpec
+
+    llama, oss = MODELS["llama-3.1-8b"], MODELS["gpt-oss-20b"]
+    assert default_allocators(llama, RunSpec()) == (list(DENSE_DEFAULT), None)
+    assert default_allocators(oss, RunSpec()) == (list(HYBRID_DEFAULT), None)
+    kept, note = default_allocators(oss, RunSpec(prefix_caching=True))
+    assert kept == ["vllm-hybrid"] and note is not None
+    assert "prefix caching" in note and "leaving out jenga, static-partition, paged-uniform" in note
+    kept, note = default_allocators(llama, RunSpec(num_samples=4))
+    assert kept == ["vllm"] and "parallel sampling" in note and "ft-static" in note
+    # beams are not modelled for the hybrid managers: the dense paged allocator runs
+    kept, note = default_allocators(oss, RunSpec(beam_width=2))
+    assert kept == ["vllm"] and "beam search" in note and "vllm-hybrid" in note
+
+
+def test_a_hybrid_model_with_no_allocator_compares_the_hybrid_managers(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--model", "gpt-oss-20b", "--num-requests", "30", "--no-save", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["allocator"] for r in rows] == ["vllm-hybrid", "jenga", "static-partition", "paged-uniform"]
+
+
+def test_prefix_caching_with_the_default_list_runs_what_can_share(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--num-requests", "30", "--no-save", "--json", "--prefix-caching",
+                 "--system-prompt-len", "64"]) == 0
+    captured = capsys.readouterr()
+    assert [json.loads(line)["allocator"] for line in captured.out.splitlines()] == ["vllm"]
+    assert "leaving out ft-static, orca-max, orca-pow2, orca-oracle" in captured.err

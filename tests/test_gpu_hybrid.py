@@ -206,3 +206,16 @@ def test_cli_refuses_mixed_dense_and_hybrid(tmp_path, capsys) -> None:
 def test_prefix_caching_is_refused_on_the_device() -> None:
     with pytest.raises(ValueError, match="prefix caching"):
         _validate("gpt-oss-20b", "vllm-hybrid", 60_000, prefix_caching=True)
+
+
+@pytest.mark.parametrize("model", ["qwen3-next-80b-a3b", "deepseek-v3", "nemotron-h-56b"])
+def test_validate_sizes_the_pool_for_the_miniature_not_the_full_model(model, tmp_path, capsys) -> None:
+    # none of these fits the default a100-40gb; with no --allocator and no --pool-bytes the
+    # hybrid managers run on a miniature whose pool is sized for the miniature
+    from fragsim.cli import main
+
+    assert main(["validate", "--device", "cpu", "--model", model, "--num-requests", "8",
+                 "--out", str(tmp_path), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["allocator"] for r in rows] == ["vllm-hybrid", "jenga", "static-partition", "paged-uniform"]
+    assert all(r["ok"] and r["pool_bytes"] > 0 for r in rows)

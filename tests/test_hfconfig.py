@@ -107,7 +107,7 @@ def test_state_layers_and_their_shapes(tmp_path):
     assert kinds(m) == ["full", "mamba"] * 3            # attention and Mamba-2 in every layer
     assert m.layer_specs[1].state.shapes(tp=2) == ((3, (1536 + 2 * 2 * 128) // 2), (12, 64, 128))
     bamba = {**falcon, "architectures": ["BambaForCausalLM"], "num_hidden_layers": 4,
-             "attn_layer_indices": [2]}
+             "attn_layer_indices": [2], "mamba_n_heads": 64, "mamba_d_ssm": None}
     assert kinds(read_hf_config(write(tmp_path, bamba))) == ["mamba", "mamba", "full", "mamba"]
 
 
@@ -125,19 +125,24 @@ def test_shared_kv_layers_hold_nothing():
         ("{not json", "not valid JSON (line 1, column 2)"),
         ("[1, 2]", "must hold a JSON object, got list"),
         (json.dumps({"hidden_size": 1}), "missing field 'architectures'"),
-        (json.dumps({"architectures": ["GPT2LMHeadModel"]}), "unknown architecture 'GPT2LMHeadModel'"),
+        # neither transformers nor fragsim knows it, and it has none of the standard fields
+        (json.dumps({"architectures": ["FooBarForCausalLM"]}),
+         "missing field 'num_hidden_layers' (needed for FooBarForCausalLM)"),
+        (json.dumps({**LLAMA, "architectures": ["FooBarForCausalLM"], "layer_types": ["x"] * 16}),
+         "layer_types[0] is 'x'"),
+        # what transformers' config class refuses, in its words, naming the field
         (json.dumps({**LLAMA, "num_hidden_layers": None}),
-         "missing field 'num_hidden_layers' (needed for LlamaForCausalLM)"),
+         "Field 'num_hidden_layers' expected int, got NoneType"),
         (json.dumps({**LLAMA, "num_attention_heads": "32"}),
-         "field 'num_attention_heads' must be an integer >= 1, got '32'"),
+         "Field 'num_attention_heads' expected int, got str"),
         (json.dumps({**LLAMA, "layer_types": ["full_attention"] * 15}),
-         "field 'layer_types' must have num_hidden_layers = 16 entries, got 15"),
+         "`num_hidden_layers` (16) must be equal to the number of `layer_types` (15)"),
         (json.dumps({**LLAMA, "layer_types": ["full_attention"] * 15 + ["local"]}),
-         "layer_types[15] is 'local'"),
-        (json.dumps({**LLAMA, "architectures": ["NemotronHForCausalLM"],
-                     "hybrid_override_pattern": "M*"}), "hybrid_override_pattern must have"),
-        (json.dumps({**LLAMA, "architectures": ["Gemma3ForCausalLM"]}),
-         "missing field 'sliding_window_pattern'"),
+         "The `layer_types` entries must be in"),
+        (json.dumps({**LLAMA, "architectures": ["Qwen3NextForCausalLM"], "linear_num_key_heads": 0}),
+         "field 'linear_num_key_heads' must be an integer >= 1, got 0"),
+        (json.dumps({**LLAMA, "architectures": ["MambaForCausalLM"], "model_type": "mamba"}),
+         "MambaForCausalLM has state (linear-attention or Mamba) layers, whose state shape"),
         (json.dumps({**LLAMA, "torch_dtype": "int4"}), "field 'torch_dtype' must be one of"),
         (json.dumps({**LLAMA, "num_key_value_heads": 5}), '"num_kv_heads" must divide'),
     ],

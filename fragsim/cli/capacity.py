@@ -26,7 +26,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--model", help="model preset or catalog entry (see --list), or a Hugging Face "
                                    "config.json (or the folder holding one)")
-    p.add_argument("--gpu", help="GPU preset or catalog entry (see --list)")
+    from fragsim.catalog import DEFAULT_GPU
+
+    p.add_argument("--gpu", default=DEFAULT_GPU,
+                   help="GPU preset or catalog entry (see --list; default: %(default)s, as fragsim run)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
                    help="fraction of GPU memory the engine may use, in (0, 1] (default 0.9)")
@@ -251,8 +254,8 @@ def main(args: argparse.Namespace) -> int:
         else:
             _print_list(console, models, gpus)
         return 0
-    if not args.model or not args.gpu:
-        raise FragsimError("--model and --gpu are required (--list shows the choices)")
+    if not args.model:
+        raise FragsimError("--model is required (--list shows the choices)")
     model = with_kv_cache_dtype(get_model(args.model, args.catalog), args.kv_cache_dtype)
     gpu = get_gpu(args.gpu, args.catalog)
     report = plan_capacity(

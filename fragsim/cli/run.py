@@ -22,6 +22,7 @@ from fragsim.cli.run_notes import HYBRID_WHY, full_attention_note, overload_note
 from fragsim.cli.run_options import (  # noqa: F401
     add_system_options,
     add_workload_options,
+    default_allocators,
     parse_allocators,
     spec_from_args,
 )
@@ -36,7 +37,11 @@ refused, and the throughput and latency that follow.
 With no options: the bundled Azure conversation trace (19,366 requests over
 3,500 s) on Llama-3.1-8B and one H100-80GB with the model's whole context, as
 vLLM serves it by default, for ft-static, orca-max, orca-pow2, orca-oracle and
-vllm."""
+vllm. A model with layers other than full attention (--model gpt-oss-20b, say) is
+compared across the hybrid KV managers instead (vllm-hybrid, jenga,
+static-partition, paged-uniform), the way such a model is served; with block
+sharing (--prefix-caching, --parallel-samples, --beam-width) the default list keeps
+the allocators that can share blocks and says which it left out."""
 
 EPILOG = """\
 allocators: a placement (static, contiguous, buddy, paged, paged-shared, vmm) or
@@ -59,8 +64,7 @@ examples:
   fragsim run --trace sharegpt-paper --rate 2 --num-requests 1000
   fragsim run --trace path/to/trace.csv --model llama-2-7b --gpu a100-80gb --json
   fragsim run --model gpt-oss-120b --gpu h100-80gb --max-seq-len 8192 --num-requests 3000 \\
-      --allocator paged-uniform,vllm-hybrid,jenga,static-partition --kv-cache-memory-bytes 8589934592 \\
-      --workers 4
+      --kv-cache-memory-bytes 8589934592 --workers 4
 """
 
 
@@ -92,14 +96,19 @@ def main(args: argparse.Namespace) -> int:
     from fragsim.report import comparison_table, dumps, write_results
     from fragsim.simulate import load_workload, run_config
 
-    allocators = parse_allocators(args.allocator)
     spec = spec_from_args(args)
-    trace = load_workload(spec)
-    err = Console(stderr=True)
     from fragsim.capacity import context_note
     from fragsim.simulate import _model_gpu
 
     model, gpu = _model_gpu(spec)
+    if args.allocator is None:
+        allocators, left_out = default_allocators(model, spec)
+        if left_out:
+            print(f"fragsim: note: {left_out}", file=sys.stderr)
+    else:
+        allocators = parse_allocators(args.allocator)
+    trace = load_workload(spec)
+    err = Console(stderr=True)
     if spec.max_seq_len > model.max_position_embeddings:
         print(f"fragsim: warning: {context_note(model, spec.max_seq_len)}", file=sys.stderr)
     from fragsim.costmodel import describe_cost_model

@@ -41,13 +41,15 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
 
 def add_system_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model, GPU and memory")
-    g.add_argument("--model", default="llama-3.1-8b",
+    from fragsim.catalog import DEFAULT_GPU, DEFAULT_MODEL
+
+    g.add_argument("--model", default=DEFAULT_MODEL,
                    help="model preset, or a Hugging Face config.json (or its folder) "
                         "(default: %(default)s)")
     g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
                    help="KV cache element type: auto (the model's), fp16, bf16, fp32, fp8, "
                         "fp8_e4m3, fp8_e5m2 (default auto)")
-    g.add_argument("--gpu", default="h100-80gb", help="GPU preset (default: %(default)s)")
+    g.add_argument("--gpu", default=DEFAULT_GPU, help="GPU preset (default: %(default)s)")
     g.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (default 1)")
     g.add_argument("--catalog", help="TOML file with custom models/GPUs")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -60,8 +62,11 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
                    help="vllm-hybrid: keep the hybrid manager for chunked local attention (Llama 4), "
                         "as VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 does")
     g = p.add_argument_group("allocator")
-    g.add_argument("--allocator", default="ft-static,orca-max,orca-pow2,orca-oracle,vllm",
-                   help="comma list of allocators/presets (default: %(default)s)")
+    g.add_argument("--allocator", default=None,
+                   help=f"comma list of allocators/presets (default: {','.join(DENSE_DEFAULT)}; for "
+                        f"a model with layers other than full attention, the hybrid KV managers "
+                        f"{','.join(HYBRID_DEFAULT)}; with block sharing, those of the list that "
+                        "can share blocks)")
     g.add_argument("--reserve", choices=("max", "pow2", "oracle"),
                    help="reservation policy for plain static/contiguous/buddy placements")
     g.add_argument("--block-size", type=positive_int, default=16, help="paged block size (default 16)")
@@ -141,6 +146,41 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         prefix_caching=getattr(args, "prefix_caching", False),
         system_prompt_len=getattr(args, "system_prompt_len", 0),
     )
+
+
+#: the allocators a run compares when --allocator is not given: the vLLM paper's, and
+#: for a model with other layer kinds the hybrid KV managers, vLLM's first
+DENSE_DEFAULT = ("ft-static", "orca-max", "orca-pow2", "orca-oracle", "vllm")
+HYBRID_DEFAULT = ("vllm-hybrid", "jenga", "static-partition", "paged-uniform")
+
+
+def can_share(name: str, spec: Any) -> bool:
+    """Whether allocator ``name`` runs ``spec``'s block sharing (samples, beams, prefix
+    caching): the paged allocators; of the hybrid managers, vllm-hybrid with prefix
+    caching (samples and beams are not modelled for them)."""
+    from fragsim.allocators import PRESETS
+    from fragsim.simulate import is_hybrid_manager
+
+    if is_hybrid_manager(name):
+        return name == "vllm-hybrid" and spec.num_samples == 1 and spec.beam_width == 1
+    return (PRESETS[name][0] if name in PRESETS else name) in ("paged", "paged-shared")
+
+
+def default_allocators(model: Any, spec: Any) -> tuple[list[str], str | None]:
+    """The allocators a run compares when none are named, and a note saying which of
+    the default list it left out (block sharing needs allocators that can share)."""
+    names = list(HYBRID_DEFAULT if model.is_hybrid else DENSE_DEFAULT)
+    if not spec.sharing:
+        return names, None
+    kept = [n for n in names if can_share(n, spec)]
+    if not kept:   # samples or beams on a hybrid model: only the dense paged allocator shares
+        kept = [n for n in DENSE_DEFAULT if can_share(n, spec)]
+    left = [n for n in names if n not in kept]
+    what = ", ".join(w for w, on in (("parallel sampling", spec.num_samples > 1),
+                                     ("beam search", spec.beam_width > 1),
+                                     ("prefix caching", spec.prefix_caching)) if on)
+    return kept, f"{what} needs allocators that share blocks: running {', '.join(kept)}, " \
+                 f"leaving out {', '.join(left)}"
 
 
 def parse_allocators(text: str) -> list[str]:

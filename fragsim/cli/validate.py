@@ -31,8 +31,14 @@ simulated one at every step:
       --trace azure-conv --pool-bytes 60000"""
 
 
+#: the dense allocators validated when --allocator is not given
+DENSE_DEFAULT = ("ft-static", "orca-max", "orca-pow2", "orca-oracle", "vllm", "contiguous")
+
+
 def register(subparsers: Any) -> None:
     from fragsim.cli.args import positive_float, positive_int
+    from fragsim.cli.run_options import HYBRID_DEFAULT
+    from gpu_backend import POOL_REQUESTS
 
     p = subparsers.add_parser("validate", help="check the simulation against real device memory",
                               description=DESCRIPTION,
@@ -41,14 +47,20 @@ def register(subparsers: Any) -> None:
                    help="where the pool lives (default: cuda if available, else cpu)")
     p.add_argument("--trace", default="azure-conv", help="trace or workload (default: %(default)s)")
     p.add_argument("--rate", type=positive_float, help="re-time arrivals (needed for workloads)")
-    p.add_argument("--allocator", default="ft-static,orca-max,orca-pow2,orca-oracle,vllm,contiguous",
-                   help="comma list (default: %(default)s)")
+    p.add_argument("--allocator", default=None,
+                   help=f"comma list (default: {','.join(DENSE_DEFAULT)}; for a model with layers "
+                        f"other than full attention the hybrid KV managers {','.join(HYBRID_DEFAULT)})")
     p.add_argument("--num-requests", type=positive_int, default=None,
                    help="requests to replay (default: 300 on cuda, 60 on cpu)")
     p.add_argument("--offset", type=int, default=0, help="skip this many requests first")
-    p.add_argument("--model", default="llama-2-13b", help="model whose KV budget sizes the pool")
-    p.add_argument("--gpu", default="a100-40gb", help="GPU whose memory sizes the pool")
-    p.add_argument("--kv-slots", type=positive_int, help="pool size in slots (overrides the budget)")
+    p.add_argument("--model", default="llama-2-13b",
+                   help="model: the hybrid KV managers run a miniature of it; its step times "
+                        "time the run (default: %(default)s)")
+    p.add_argument("--gpu", default="a100-40gb", help="GPU whose step times time the run "
+                                                      "(default: %(default)s)")
+    p.add_argument("--kv-slots", type=positive_int,
+                   help=f"dense pool size in slots (default: {POOL_REQUESTS} requests of the "
+                        "scaled --max-seq-len)")
     p.add_argument("--max-seq-len", type=positive_int, default=2048)
     p.add_argument("--scale", type=positive_float, default=None,
                    help="multiply lengths, max-seq-len and pool by this (default: 1 on cuda, 0.05 on cpu)")
@@ -61,8 +73,10 @@ def register(subparsers: Any) -> None:
     h = p.add_argument_group("hybrid KV managers (--allocator vllm-hybrid, jenga, static-partition, "
                              "paged-uniform)")
     h.add_argument("--pool-bytes", type=positive_int, default=None,
-                   help="the miniature's pool in bytes (default: about --scale times the tokens the "
-                        "full-size pool holds)")
+                   help=f"the miniature's pool in bytes (default: the KV of {POOL_REQUESTS} requests "
+                        "of the scaled --max-seq-len and a state per state layer for each "
+                        "sequence that may run; sized for the miniature, so a model too large "
+                        "for any GPU validates)")
     h.add_argument("--q-per-kv", type=positive_int, default=2,
                    help="query heads per KV head in the miniature (default %(default)s)")
     g = p.add_argument_group("block sharing (paged allocators: --allocator vllm)")
@@ -96,7 +110,13 @@ def main(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise FragsimError("--device cuda: no CUDA device is available (use --device cpu)")
     cuda = device == "cuda"
-    allocators = parse_allocators(args.allocator)
+    if args.allocator is None:
+        from fragsim.catalog import get_model
+        from fragsim.cli.run_options import HYBRID_DEFAULT
+
+        allocators = list(HYBRID_DEFAULT if get_model(args.model).is_hybrid else DENSE_DEFAULT)
+    else:
+        allocators = parse_allocators(args.allocator)
     try:
         shape = ModelShape(num_layers=args.layers or 2, num_q_heads=args.q_heads or (40 if cuda else 4),
                            num_kv_heads=args.kv_heads or (40 if cuda else 2),
