@@ -3,7 +3,7 @@ max-length reservation costs. Pure arithmetic; the CLI prints it.
 
 The budget is vLLM's, per GPU::
 
-    kv_budget_bytes = memory_bytes × gpu_memory_utilization − weight_bytes / tp − activation peak
+    kv_budget_bytes = total × gpu_memory_utilization − weight_bytes / tp − activation peak
     kv_slots        = kv_budget_bytes // kv_bytes_per_token_per_gpu
     num_blocks      = kv_slots // block_size
 
@@ -11,6 +11,15 @@ Under tensor parallelism every GPU holds ``1/tp`` of the weights and ``1/tp`` of
 token's KV heads, so a slot costs each GPU ``kv_bytes_per_token / tp`` and the pool
 has the same number of slots on every GPU (see
 :meth:`fragsim.catalog.ModelConfig.kv_heads_per_gpu` for heads that do not split).
+
+``total`` is the driver's total where the GPU preset has one
+(:attr:`fragsim.configs.GPUConfig.driver_total_bytes`, what vLLM logs as
+``total_gpu_memory``), else nvidia-smi's ``memory_bytes``.
+
+NOTE: only :func:`plan_capacity` (``fragsim capacity``) starts from the driver's
+total; :func:`kv_budget_slots` and :func:`kv_budget_bytes`, which size ``fragsim
+run``'s pool, keep nvidia-smi's figure so that the committed reference results
+(``results/reference/``, several on an H100) stay as they were written.
 
 Worked check, the vLLM paper's Table 1 (OPT-13B on one A100-40GB: 12 GB of KV,
 15.7K slots). With the defaults here (utilization 0.9, 2048 batched tokens)::
@@ -64,7 +73,7 @@ class CapacityReport:
     kv_bytes_per_token_per_gpu: int
     num_kv_heads_per_gpu: int
     kv_bytes_per_seq: int               # one max_seq_len sequence, whole model
-    gpu_memory_bytes: int
+    gpu_memory_bytes: int               # the total the budget starts from (driver's where known)
     usable_memory_bytes: int            # floor(memory × utilization)
     weight_bytes: int                   # whole model
     weight_bytes_per_gpu: int
@@ -85,6 +94,7 @@ class CapacityReport:
     paged_concurrency_at_avg_len: int | None  # num_blocks // ceil(avg_len / block_size)
     notes: tuple[str, ...] = ()
     kv_cache_dtype: str = "auto"
+    gpu_memory_from_driver: bool = False   # gpu_memory_bytes is the driver's total, not nvidia-smi's
     # vLLM's hybrid plan (fragsim.vllm_plan.plan_summary): groups, page, blocks.
     vllm: dict[str, Any] | None = None
 
@@ -104,7 +114,7 @@ def _check_int_option(name: str, option: str, value: Any, low: int, high: int | 
         raise FragsimError(f"{name} ({option}) must be an integer {allowed}, got {value!r}")
 
 
-def _usable_bytes(gpu: GPUConfig, gpu_memory_utilization: float) -> int:
+def _usable_bytes(total_bytes: int, gpu_memory_utilization: float) -> int:
     ok = isinstance(gpu_memory_utilization, (int, float)) and not isinstance(
         gpu_memory_utilization, bool
     )
@@ -114,15 +124,15 @@ def _usable_bytes(gpu: GPUConfig, gpu_memory_utilization: float) -> int:
             f"got {gpu_memory_utilization!r}"
         )
     # Through the decimal text so that 0.9 means 9/10, not 0.9000000000000000222.
-    return math.floor(gpu.memory_bytes * Fraction(repr(float(gpu_memory_utilization))))
+    return math.floor(total_bytes * Fraction(repr(float(gpu_memory_utilization))))
 
 
-def _budget(model: ModelConfig, gpu: GPUConfig, tp: int, gpu_memory_utilization: float,
+def _budget(model: ModelConfig, total_bytes: int, tp: int, gpu_memory_utilization: float,
             max_num_batched_tokens: int, activation_bytes: int | None) -> tuple[int, int, int, int]:
-    """(usable, weights per GPU, activation, budget) bytes on one GPU."""
+    """(usable, weights per GPU, activation, budget) bytes on one GPU of ``total_bytes``."""
     _check_int_option("tp", "--tp", tp, 1)
     model.kv_heads_per_gpu(tp)  # refuses head counts that do not split
-    usable = _usable_bytes(gpu, gpu_memory_utilization)
+    usable = _usable_bytes(total_bytes, gpu_memory_utilization)
     _check_int_option("max_num_batched_tokens", "--max-num-batched-tokens",
                       max_num_batched_tokens, 1)
     if activation_bytes is None:
@@ -152,7 +162,7 @@ def kv_budget_bytes(
     """Bytes of the KV pool one GPU holds: what :func:`kv_budget_slots` cuts into slots."""
     tokens = (DEFAULT_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None
               else max_num_batched_tokens)
-    parts = _budget(model, gpu, tp, gpu_memory_utilization, tokens, None)
+    parts = _budget(model, gpu.memory_bytes, tp, gpu_memory_utilization, tokens, None)
     if parts[3] <= 0:
         raise _no_room(model, gpu, tp, *parts)
     return parts[3]
@@ -183,7 +193,7 @@ def kv_budget_slots(
     """
     tokens = (DEFAULT_MAX_NUM_BATCHED_TOKENS if max_num_batched_tokens is None
               else max_num_batched_tokens)
-    parts = _budget(model, gpu, tp, gpu_memory_utilization, tokens, activation_bytes)
+    parts = _budget(model, gpu.memory_bytes, tp, gpu_memory_utilization, tokens, activation_bytes)
     slots = max(0, parts[3]) // model.kv_bytes_per_token_per_gpu(tp)
     if slots < 1:
         raise _no_room(model, gpu, tp, *parts)
@@ -249,8 +259,9 @@ def plan_capacity(
             raise FragsimError(f"avg_len (--avg-len) must be in (0, {max_seq_len}], got {avg_len!r}")
     tokens = (default_max_num_batched_tokens(gpu) if max_num_batched_tokens is None
               else max_num_batched_tokens)
+    total = gpu.startup_total_bytes
     usable, weights, activation, budget = _budget(
-        model, gpu, tp, gpu_memory_utilization, tokens, activation_bytes
+        model, total, tp, gpu_memory_utilization, tokens, activation_bytes
     )
     if kv_cache_memory_bytes is not None:
         _check_int_option("kv_cache_memory_bytes", "--kv-cache-memory-bytes",
@@ -306,7 +317,7 @@ def plan_capacity(
         max_seq_len=max_seq_len, max_num_batched_tokens=tokens, batch=batch, avg_len=avg_len,
         kv_bytes_per_token=model.kv_bytes_per_token, kv_bytes_per_token_per_gpu=per_gpu,
         num_kv_heads_per_gpu=kv_heads, kv_bytes_per_seq=max_seq_len * model.kv_bytes_per_token,
-        gpu_memory_bytes=gpu.memory_bytes, usable_memory_bytes=usable,
+        gpu_memory_bytes=total, usable_memory_bytes=usable,
         weight_bytes=model.weight_bytes, weight_bytes_per_gpu=weights,
         activation_bytes=activation, activation_estimated=activation_bytes is None,
         kv_budget_bytes=budget, kv_slots=kv_slots, num_blocks=num_blocks,
@@ -316,4 +327,5 @@ def plan_capacity(
         static_formula=formula, static_utilization=utilization, static_used_bytes=used,
         paged_concurrency_at_avg_len=paged_at_avg, notes=tuple(notes),
         kv_cache_dtype=model.kv_cache_dtype, vllm=vllm,
+        gpu_memory_from_driver=gpu.driver_total_bytes is not None,
     )

@@ -199,9 +199,20 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class GPUConfig:
-    """One accelerator. ``memory_bytes`` is the total the driver reports
-    (``nvidia-smi --query-gpu=memory.total``), not the marketing figure: an
-    A100-40GB reports 40960 MiB = 40 GiB, an H100-80GB only 81559 MiB.
+    """One accelerator. ``memory_bytes`` is what ``nvidia-smi
+    --query-gpu=memory.total`` reports, not the marketing figure: an A100-40GB
+    reports 40960 MiB = 40 GiB, an H100-80GB only 81559 MiB. ``fragsim run`` sizes
+    its pool by it.
+
+    ``driver_total_bytes`` is the total CUDA itself reports (``cudaMemGetInfo``),
+    which vLLM logs as ``total_gpu_memory`` and multiplies by
+    ``gpu_memory_utilization``; it is a few hundred MiB below nvidia-smi's::
+
+        H100-80GB   nvidia-smi 81,559 MiB (79.65 GiB)   vLLM total_gpu_memory 79.18 GiB
+
+    ``None`` where no published log gives it; :attr:`startup_total_bytes` then
+    falls back to ``memory_bytes``. It moves a little with the driver version (an
+    H100 printed 79.22 GiB in late 2024), so a preset carries one cited log's figure.
 
     ``arch`` (``sm80``, ``sm90``, ``sm100``, ``gfx942``, …) picks the attention
     backends vLLM would run there, which set the default KV block size
@@ -214,13 +225,21 @@ class GPUConfig:
     pcie_bandwidth: float
     source: str = ""
     arch: str = ""
+    driver_total_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise ValueError(f'"name" must be a non-empty string, got {self.name!r}')
         _check_int(self, "memory_bytes", 1)
+        if self.driver_total_bytes is not None:
+            _check_int(self, "driver_total_bytes", 1, self.memory_bytes)
         for name in ("hbm_bandwidth", "fp16_flops", "pcie_bandwidth"):
             _check_positive(self, name)
+
+    @property
+    def startup_total_bytes(self) -> int:
+        """The total vLLM starts its KV budget from: the driver's where known."""
+        return self.memory_bytes if self.driver_total_bytes is None else self.driver_total_bytes
 
 
 def activation_peak_bytes(

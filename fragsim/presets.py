@@ -23,9 +23,9 @@ bytes. A preset is read when it is first asked for (:class:`fragsim.catalog.Pres
     llama-4-scout        36 chunked 8,192 + 12 full (8 × 128)     196,608 B
     deepseek-v3          61 MLA (512 + 64 latent)                  70,272 B
     qwen3-next-80b-a3b   36 Gated DeltaNet + 12 full (2 × 256)     24,576 B + state
-    jamba-mini-1.5       28 Mamba-1 + 4 full (8 × 128)             32,768 B + state
-    nemotron-h-8b        24 Mamba-2 + 4 full (8 × 128)             32,768 B + state
-    nemotron-h-56b       54 Mamba-2 + 10 full (8 × 128)            81,920 B + state
+    jamba-mini-1.5       28 Mamba-1 + 4 full (8 × 128)             16,384 B + state
+    nemotron-h-8b        24 Mamba-2 + 4 full (8 × 128)             16,384 B + state
+    nemotron-h-56b       54 Mamba-2 + 10 full (8 × 128)            40,960 B + state
 
 (Per-token figures count every layer that holds KV, on one GPU, before windows.)
 """

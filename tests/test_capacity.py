@@ -151,6 +151,35 @@ def test_cli_table_and_list(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["models"]["opt-13b"]["kv_bytes_per_token"] == 819_200
     assert data["gpus"]["a100-40gb"]["memory_bytes"] == 40 * 2**30
+    assert data["gpus"]["a100-40gb"]["driver_total_bytes"] is None
+    assert data["gpus"]["h100-80gb"]["driver_total_bytes"] == 81080 * 2**20
+
+
+def test_capacity_starts_from_the_driver_total_and_run_from_nvidia_smis():
+    """vLLM's budget starts from CUDA's total (79.18 GiB on an H100), not nvidia-smi's
+    81,559 MiB; fragsim run's pool keeps nvidia-smi's so its references stay put."""
+    model, h100 = MODELS["llama-3-8b"], GPUS["h100-80gb"]
+    r = plan_capacity(model, h100, max_num_batched_tokens=2048)
+    assert r.gpu_memory_bytes == 81080 * 2**20 and r.gpu_memory_from_driver
+    assert r.usable_memory_bytes == 81080 * 2**20 * 9 // 10 == 76_516_687_872
+    assert r.kv_budget_bytes == 76_516_687_872 - 16_060_522_496 - r.activation_bytes
+    assert r.kv_slots == r.kv_budget_bytes // 131_072
+    run_slots = kv_budget_slots(model, h100)
+    assert run_slots == (81559 * 2**20 * 9 // 10 - 16_060_522_496 - r.activation_bytes) // 131_072
+    # 479 MiB × 0.9 = 431.1 MiB fewer for the KV cache: 3,448 slots of 128 KiB, give or take the floor
+    assert run_slots - r.kv_slots in (3448, 3449)
+    a100 = plan_capacity(model, A100_80)
+    assert a100.gpu_memory_bytes == 80 * 2**30 and not a100.gpu_memory_from_driver
+
+
+def test_capacity_table_names_which_total_it_starts_from(capsys):
+    assert main(["capacity", "--model", "llama-3-8b", "--gpu", "rtx-3090", "--max-seq-len",
+                 "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU memory (driver total)" in out and "23.58 GiB" in out
+    assert main(["capacity", "--model", "llama-3-8b", "--gpu", "a10g", "--max-seq-len",
+                 "8192"]) == 0
+    assert "GPU memory (nvidia-smi)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

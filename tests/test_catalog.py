@@ -91,6 +91,37 @@ def test_gpu_memory_is_what_the_device_reports():
     assert GPUS["h100-80gb"].memory_bytes == 81559 * 2**20
 
 
+@pytest.mark.parametrize(
+    ("name", "smi_mib", "driver_gib", "bandwidth", "flops", "pcie", "arch"),
+    [
+        # nvidia-smi's memory.total; vLLM's logged total_gpu_memory, to 0.01 GiB
+        ("h100-80gb", 81559, 79.18, 3.35e12, 989.4e12, 64e9, "sm90"),
+        ("l40s", 46068, 44.31, 864e9, 362.05e12, 32e9, "sm89"),
+        ("rtx-3090", 24576, 23.58, 936e9, 71e12, 32e9, "sm86"),
+        ("a10g", 23028, None, 600e9, 70e12, 32e9, "sm86"),
+        ("rtx-5090", 32607, None, 1792e9, 209.5e12, 64e9, "sm120"),
+        ("a100-80gb", 81920, None, 2039e9, 312e12, 32e9, "sm80"),
+    ],
+)
+def test_gpu_presets_carry_both_totals(name, smi_mib, driver_gib, bandwidth, flops, pcie, arch):
+    gpu = GPUS[name]
+    assert gpu.memory_bytes == smi_mib * 2**20
+    assert (gpu.hbm_bandwidth, gpu.fp16_flops, gpu.pcie_bandwidth, gpu.arch) == (
+        bandwidth, flops, pcie, arch)
+    if driver_gib is None:
+        assert gpu.driver_total_bytes is None and gpu.startup_total_bytes == gpu.memory_bytes
+        assert "no published driver total" in gpu.source
+    else:
+        assert round(gpu.driver_total_bytes / 2**30, 2) == driver_gib
+        assert gpu.startup_total_bytes == gpu.driver_total_bytes < gpu.memory_bytes
+        assert f"{driver_gib:.2f} GiB" in gpu.source
+
+
+def test_driver_total_may_not_exceed_nvidia_smis():
+    with pytest.raises(ValueError, match=r'"driver_total_bytes" must be in \[1, 24152899584\]'):
+        dataclasses.replace(GPUS["l4"], driver_total_bytes=GPUS["l4"].memory_bytes + 1)
+
+
 def test_lookup_is_case_insensitive_and_unknown_names_list_the_known_ones():
     assert get_model(" OPT-13B ") is MODELS["opt-13b"]
     assert get_gpu("A100-40GB") is GPUS["a100-40gb"]
@@ -271,5 +302,12 @@ def test_catalog_base_overrides_and_missing_file(tmp_path):
     )
     assert models["tiny"].dtype_bytes == 2 and models["tiny"].gated_mlp
     assert gpus == {}
+    # A new memory size drops the preset's driver total, which was measured for its own.
+    path.write_text('[gpus.h100-half]\nbase = "h100-80gb"\nmemory_bytes = 42949672960\n'
+                    '[gpus.h100-same]\nbase = "h100-80gb"\nhbm_bandwidth = 3e12\n')
+    gpus = load_catalog(path)[1]
+    assert gpus["h100-half"].driver_total_bytes is None
+    assert gpus["h100-half"].startup_total_bytes == 40 * 2**30
+    assert gpus["h100-same"].driver_total_bytes == GPUS["h100-80gb"].driver_total_bytes
     with pytest.raises(FragsimError, match=r"cannot read catalog .*nope.toml"):
         load_catalog(tmp_path / "nope.toml")

@@ -112,11 +112,12 @@ def _print_list(console: Any, models: dict[str, Any], gpus: dict[str, Any]) -> N
                    f"{m.max_position_embeddings:,}",
                    " + ".join(f"{n} {label}" for label, n in counts.items()))
     gt = Table(title="GPUs")
-    for col in ("name", "memory", "", "HBM", "fp16 dense", "PCIe"):
+    for col in ("name", "memory", "", "driver total", "HBM", "fp16 dense", "PCIe"):
         gt.add_column(col, justify="left" if col == "name" else "right")
     for g in gpus.values():
         exact, _, binary = _byte_cells(g.memory_bytes)
-        gt.add_row(g.name, exact, binary, f"{g.hbm_bandwidth / 1e9:,.0f} GB/s",
+        driver = "" if g.driver_total_bytes is None else _byte_cells(g.driver_total_bytes)[2]
+        gt.add_row(g.name, exact, binary, driver, f"{g.hbm_bandwidth / 1e9:,.0f} GB/s",
                    f"{g.fp16_flops / 1e12:,.1f} TFLOP/s", f"{g.pcie_bandwidth / 1e9:,.0f} GB/s")
     console.print(mt)
     console.print(gt)
@@ -144,7 +145,8 @@ def _print_report(console: Any, r: Any, model: Any) -> None:
     row(f"KV per token per GPU ({r.num_kv_heads_per_gpu} kv heads)", r.kv_bytes_per_token_per_gpu)
     row(f"KV of one {r.max_seq_len}-token sequence", r.kv_bytes_per_seq)
     t.add_section()
-    row("GPU memory", r.gpu_memory_bytes)
+    row("GPU memory (driver total)" if r.gpu_memory_from_driver else "GPU memory (nvidia-smi)",
+        r.gpu_memory_bytes)
     row(f"× utilization {r.gpu_memory_utilization:g}", r.usable_memory_bytes)
     row("− weights per GPU", r.weight_bytes_per_gpu)
     how = f"estimate, {r.max_num_batched_tokens} tokens" if r.activation_estimated else "given"
