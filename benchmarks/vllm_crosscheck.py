@@ -28,6 +28,10 @@ the end of a step are registered with vLLM's ``cache_blocks`` at the same point
 (``allocate_slots`` is told to delay its own caching). A failed extension frees
 its window's blocks in both, so free counts are compared after every operation.
 
+With ``--from-config``, vLLM builds the specs itself from each model's config.json
+instead (``vllm_crosscheck_config.py``, through ``vllm_reference_config.py``): the
+specs fragsim hands over here are then checked too.
+
 Prints one line per case and exits 1 on any difference.
 """
 
@@ -42,6 +46,9 @@ from pathlib import Path
 
 from fragsim.catalog import get_gpu, get_model, with_kv_cache_dtype
 from fragsim.vllm_plan import VllmPlan, plan_vllm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_crosscheck_config import add_arguments, from_config_main  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODELS = ["llama-3.1-8b", "mistral-7b-v0.1", "gemma-2-9b", "gemma-3-27b", "gpt-oss-20b",
@@ -218,7 +225,13 @@ def main() -> int:
     ap.add_argument("--prefix-caching", action="store_true",
                     help="with --trace: prefix caching on both sides, hits compared too (a trace with "
                          "content hashes, e.g. mooncake_conversation.jsonl)")
+    ap.add_argument("--from-config", action="store_true",
+                    help="vLLM builds the specs itself from each config.json (presets and "
+                         "tests/fixtures/configs/ by default)")
+    add_arguments(ap)
     args = ap.parse_args()
+    if args.from_config:
+        return from_config_main(args)
     if args.trace:
         return trace_main(args)
     gpu = get_gpu(args.gpu)

@@ -23,7 +23,8 @@ builder called directly with available_memory // bytes_per_block blocks),
 per-group "spec_class" and "max_blocks_per_request", "scheduler_block_size",
 "hash_block_size", "kv_cache_tensors".
 blocks_per_seq: one fresh KVCacheManager per L; prompt in one allocate_slots(L)
-(admission gate on), then num_computed_tokens=L, in-flight 0, allocate_slots(1).
+(admission gate on), then num_computed_tokens=L, in-flight 0, allocate_slots(1);
+blocks_at_prompt: the same manager's blocks right after the prompt's allocation.
 """
 
 import json
@@ -191,7 +192,9 @@ def make_manager(kv_cache_config, vllm_config, hash_block_size, sched_block_size
 
 def blocks_held(kv_cache_config, vllm_config, hash_block_size, sched_block_size, L):
     """Fresh KVCacheManager per L (as scheduler.py builds it), then:
-    allocate_slots(req, L) for the prompt, set num_computed_tokens=L, allocate_slots(req, 1)."""
+    allocate_slots(req, L) for the prompt, set num_computed_tokens=L, allocate_slots(req, 1).
+    The blocks each group holds after the prompt's allocation (the step that computes
+    the whole prompt) and after the decode's."""
     cc = vllm_config.cache_config
     mgr = make_manager(kv_cache_config, vllm_config, hash_block_size, sched_block_size,
                        cc.enable_prefix_caching, vllm_config.scheduler_config.watermark)
@@ -219,6 +222,7 @@ def blocks_held(kv_cache_config, vllm_config, hash_block_size, sched_block_size,
         full_sequence_must_fit=vllm_config.scheduler_config.scheduler_reserve_full_isl,
     )
     assert out is not None, f"prompt allocation failed for L={L}"
+    at_prompt = _held_now(mgr, req)
     req.status = RequestStatus.RUNNING
     # Prefill finished and processed; one sampled token appended (what the engine does).
     req.num_computed_tokens = L
@@ -226,11 +230,13 @@ def blocks_held(kv_cache_config, vllm_config, hash_block_size, sched_block_size,
     req.append_output_token_ids(11)
     out = mgr.allocate_slots(req, 1, num_lookahead_tokens=vllm_config.num_lookahead_tokens)
     assert out is not None, f"decode allocation failed for L={L}"
-    counts = []
-    for m in mgr.coordinator.single_type_managers:
-        blocks = m.req_to_blocks.get(req.request_id, [])
-        counts.append(sum(1 for b in blocks if not b.is_null))
-    return counts
+    return at_prompt, _held_now(mgr, req)
+
+
+def _held_now(mgr, req):
+    """The non-null blocks each group holds for ``req``."""
+    return [sum(1 for b in m.req_to_blocks.get(req.request_id, []) if not b.is_null)
+            for m in mgr.coordinator.single_type_managers]
 
 
 def replay(kv_cache_config, vllm_config, hash_block_size, sched_block_size, ops, caching=False):
@@ -294,9 +300,18 @@ def main():
     inp = json.load(open(sys.argv[1]))
     vllm_config = make_vllm_config(inp)
     register_all_kvcache_specs(vllm_config)
-    specs = build_specs(inp)
+    result = plan_and_measure(vllm_config, build_specs(inp), inp["available_memory"],
+                              inp.get("seq_lens", []) or [], inp.get("ops"),
+                              bool(inp.get("replay_caching")))
+    print(json.dumps(result))
+
+
+def plan_and_measure(vllm_config, specs, available_memory, seq_lens, ops=None, replay_caching=False):
+    """vLLM's planning over one worker's layer specs (the path of
+    engine/core.py::_initialize_kv_caches), then the blocks each group holds at each
+    of ``seq_lens`` and, with ``ops``, a replay: the result object main() prints."""
     kv_cache_specs = [specs]  # one worker (TP1, PP1)
-    avail = [inp["available_memory"]]
+    avail = [available_memory]
 
     groups = P.get_global_kv_cache_groups(vllm_config, kv_cache_specs)
     startup_error = None
@@ -371,17 +386,18 @@ def main():
             for t in worker_cfg.kv_cache_tensors
         ],
         "blocks_per_seq": {},
+        "blocks_at_prompt": {},
     }
     if abs(max_conc_worker - max_conc) > 1e-9:
         result["max_concurrency_worker_cfg"] = max_conc_worker
-    for L in inp.get("seq_lens", []) or []:
-        result["blocks_per_seq"][str(L)] = blocks_held(
+    for L in seq_lens:
+        result["blocks_at_prompt"][str(L)], result["blocks_per_seq"][str(L)] = blocks_held(
             sched_cfg, vllm_config, hash_bs, sched_bs, L
         )
-    if inp.get("ops"):
-        result["replay"] = replay(sched_cfg, vllm_config, hash_bs, sched_bs, inp["ops"],
-                                  caching=bool(inp.get("replay_caching")))
-    print(json.dumps(result))
+    if ops:
+        result["replay"] = replay(sched_cfg, vllm_config, hash_bs, sched_bs, ops,
+                                  caching=replay_caching)
+    return result
 
 
 if __name__ == "__main__":

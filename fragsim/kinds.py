@@ -13,7 +13,8 @@ computed and ``requested`` tokens are asked for::
     full, mla         0                        every position
     sliding W         max(0, f − W + 1)        [f − W + 1, f]: the new token is the window's last
     chunked C         f // C · C               its own chunk
-    state (mamba)     one state per sequence, whatever its length
+    state (mamba)     one state per sequence, whatever its length (two or three blocks
+                      for a step under prefix caching: :class:`State`)
 
     W = 8, B = 4, f = 19: skipped 12, blocks 0..2 skipped, the sequence holds [12, 20)
 
@@ -83,6 +84,13 @@ class Kind:
             n = n.clip(max=max_len)
         return cdiv(n, block_size) - self.skipped_blocks(stored, block_size)
 
+    def prompt_blocks(self, prompt_len: Any, max_len: int, block_size: int) -> Any:
+        """Blocks held by a sequence whose whole ``prompt_len``-token prompt is computed
+        in one step from nothing, once ``allocate_slots`` has allocated that step. Nothing
+        is computed yet, so no kind has skipped a block: every position has one."""
+        n = min(prompt_len, max_len) if isinstance(prompt_len, int) else prompt_len.clip(max=max_len)
+        return cdiv(n, block_size)
+
     def max_blocks(self, max_len: int, block_size: int, in_flight: int) -> int:
         """The most blocks one request of ``max_len`` tokens holds at once, with up to
         ``in_flight`` tokens computed in the steps in flight."""
@@ -149,9 +157,23 @@ class Chunked(Kind):
 @dataclass(frozen=True)
 class State(Kind):
     """A fixed state per sequence (Mamba, linear attention): one block from admission
-    on. Under prefix caching vLLM runs state layers in its ``align`` mode: a step that
-    starts a new block copies the state into it, holding two blocks for that step, and
-    a request may need ``checkpoints`` more for prefill checkpoints."""
+    on, vLLM's "none" mode. Under prefix caching vLLM runs state layers in its
+    ``align`` mode, where blocks are positions on the token axis (B tokens each) and
+    a sequence keeps only the states it still needs::
+
+        decode step, L stored      1 block; 2 when L % B == 0 (the state of block L/B − 1
+                                   is read and copied into the fresh block L/B)
+        prompt step, L tokens      1 block; 1 + checkpoints when L > B (the state at the
+                                   last block boundary before L, kept for prefix caching)
+        most at once               2 + checkpoints
+
+    ``checkpoints`` is what the layer's spec asks for (vLLM's
+    ``num_prefill_checkpoint_blocks``): 1 for Mamba-2 mixers, which export the
+    boundary state from inside the prefill, and for Gated DeltaNet under FlashInfer's
+    prefill kernel; 0 for Mamba-1 (:func:`fragsim.vllm_plan_pages._prefill_checkpoint`)::
+
+        B = 16, align, checkpoints 1: prompt of 40 → 2 blocks (the state at 32 and at 40);
+        decode with 40 stored → 1; with 48 stored → 2; most 3"""
 
     align: bool = False
     checkpoints: int = 0
@@ -162,6 +184,11 @@ class State(Kind):
         if not self.align:
             return stored * 0 + 1
         return (stored % block_size == 0) + 1
+
+    def prompt_blocks(self, prompt_len: Any, max_len: int, block_size: int) -> Any:
+        if not self.align:
+            return prompt_len * 0 + 1
+        return (prompt_len > block_size) * self.checkpoints + 1
 
     def max_blocks(self, max_len: int, block_size: int, in_flight: int) -> int:
         return 2 + self.checkpoints if self.align else 1

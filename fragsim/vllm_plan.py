@@ -35,16 +35,27 @@ turns them into one pool of equal blocks. The steps, in the order vLLM takes the
        blocks a request may need = Σ_groups  full/MLA  ceil(max_model_len / B)
                                              sliding   ceil(min(W − 1 + in_flight, L_max) / B) + 1
                                              chunked   ceil(min(C + in_flight, L_max) / B)
-                                             state     1 (no prefix caching), 2 (+1 checkpoint)
+                                             state     1 without prefix caching; with it
+                                                       2 + its prefill checkpoint blocks
        max_concurrency = num_gpu_blocks / that
+       "GPU KV cache size" = int(max_concurrency × max_model_len) tokens
 
    where ``in_flight`` is the batched tokens of the steps in flight (2 × with async
-   scheduling).
+   scheduling), and the checkpoint blocks are 1 for Mamba-2 (Nemotron-H, Falcon-H1,
+   Granite 4 hybrids; vLLM 0.33 no longer serves Bamba) and for Gated DeltaNet under
+   FlashInfer's prefill, 0 for Mamba-1 (Jamba)::
+
+       nemotron-h-56b, H200, max_model_len 8,192, prefix caching: 4,128-token blocks,
+       6 Mamba-2 groups × (2 + 1) + 1 full group × ceil(8,192 / 4,128) = 20 blocks;
+       381 blocks / 20 = 19.05x, int(19.05 × 8,192) = 156,057 tokens
+
 5. **Blocks held** by a sequence that has stored L tokens and computes token L+1
    (:meth:`VllmPlan.blocks_per_seq`), as ``allocate_slots`` leaves them with no step
    in flight: full ``ceil((L+1)/B)``; sliding drops ``⌊(L − W + 1)/B⌋`` leading
    blocks; chunked drops the blocks of finished chunks; state keeps 1 (2 while it
-   copies into a fresh block at a block boundary under prefix caching).
+   copies into a fresh block at a block boundary under prefix caching). A prompt's
+   own step (:meth:`VllmPlan.blocks_at_prompt`) also holds a state group's
+   checkpoint block once the prompt passes one block.
 
 Written from vLLM's design doc and ``vllm/v1/core/kv_cache_planning.py``, read for
 understanding; no vLLM code is used. Pure arithmetic.
@@ -127,7 +138,20 @@ class VllmPlan:
         and computes the next one, as ``allocate_slots`` leaves them."""
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise FragsimError(f"seq_len (--seq-len) must be an integer >= 1, got {seq_len!r}")
-        return [_held(g.page, seq_len, self.max_model_len, self.prefix_caching) for g in self.groups]
+        return [int(self.rule(g).held_blocks(seq_len, self.max_model_len, g.page.block_size))
+                for g in self.groups]
+
+    def blocks_at_prompt(self, prompt_len: int) -> list[int]:
+        """Blocks each group holds for a sequence whose ``prompt_len``-token prompt is
+        computed in one step, once ``allocate_slots`` has allocated it."""
+        if not isinstance(prompt_len, int) or isinstance(prompt_len, bool) or prompt_len < 1:
+            raise FragsimError(f"prompt_len must be an integer >= 1, got {prompt_len!r}")
+        return [int(self.rule(g).prompt_blocks(prompt_len, self.max_model_len, g.page.block_size))
+                for g in self.groups]
+
+    def rule(self, group: KVGroup) -> Kind:
+        """The memory rule of ``group``'s layers under this plan."""
+        return page_rule(group.page, self.prefix_caching, self.num_prefill_checkpoint_blocks)
 
 
 def page_rule(page: LayerPage, prefix_caching: bool, checkpoint: int = 0) -> Kind:
@@ -136,10 +160,6 @@ def page_rule(page: LayerPage, prefix_caching: bool, checkpoint: int = 0) -> Kin
     if page.base == "mamba":
         return State(align=prefix_caching, checkpoints=checkpoint)
     return rule_of(page.kind, page.window, page.chunk)
-
-
-def _held(page: LayerPage, n_stored: int, max_model_len: int, prefix_caching: bool) -> int:
-    return int(page_rule(page, prefix_caching).held_blocks(n_stored, max_model_len, page.block_size))
 
 
 def _max_blocks(page: LayerPage, max_model_len: int, in_flight: int, checkpoint: int,

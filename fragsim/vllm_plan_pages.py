@@ -76,29 +76,53 @@ def _attention_page_per_token(model: ModelConfig, tp: int) -> int:
     return 2 * max(1, model.num_kv_heads // tp) * first.head_dim * model.kv_dtype_bytes
 
 
-def _checkpoint_alignment(model: ModelConfig, gpu: GPUConfig, prefix_caching: bool) -> int | None:
-    """Gated DeltaNet exports prefill checkpoints every 64 tokens when its FlashInfer
-    prefill kernel runs (sm90, sm100) under prefix caching; other state layers none."""
+def _gdn_checkpoints(model: ModelConfig, gpu: GPUConfig) -> bool:
+    """Whether Gated DeltaNet's prefill runs FlashInfer's kernel, which exports the
+    states inside a prefill: on sm90, and on the sm100 and sm120 families with
+    128-dim keys (vLLM 0.33's CUDA 13 build); elsewhere Triton's, which does not."""
+    if gpu.arch == "sm90":
+        return True
+    keys = {la.state.head_dim for la in model.layer_specs if la.state is not None}
+    return gpu.arch.startswith(("sm10", "sm12")) and keys == {128}
+
+
+def _prefill_checkpoint(model: ModelConfig, gpu: GPUConfig,
+                        prefix_caching: bool) -> tuple[int, int | None]:
+    """The prefill checkpoint blocks a state layer's spec adds in vLLM's align mode
+    (prefix caching on) and the token alignment its kernel needs for them (None: no
+    constraint on the block size)::
+
+        variant   checkpoint blocks   alignment
+        mamba1    0                   -          (the Mamba-1 mixer asks for none)
+        mamba2    1                   -          (exported at any position)
+        gdn       1 with FlashInfer   64         (its prefill kernel's state stride)
+                  0 with Triton       -
+
+    A request then holds up to 2 + checkpoint blocks in each state group: the state
+    being read, the one being written, and the checkpoint. Without prefix caching
+    (vLLM's "none" mode) a state group holds one block and no checkpoint."""
     states = [la for la in model.layer_specs if la.kind in STATE_KINDS]
     if not prefix_caching or not states:
-        return None
-    if all(la.state is not None and la.state.variant == "gdn" for la in states) and (
-            gpu.arch == "sm90" or gpu.arch.startswith("sm10")):
-        return 64
-    return None
+        return 0, None
+    variants = {la.state.variant if la.state is not None else None for la in states}
+    if variants == {"gdn"}:
+        return (1, 64) if _gdn_checkpoints(model, gpu) else (0, None)
+    if variants == {"mamba2"}:
+        return 1, None
+    return 0, None
 
 
 def _layer_pages(model: ModelConfig, gpu: GPUConfig, tp: int, prefix_caching: bool,
                  max_model_len: int, block_size: int | None) -> tuple[list[tuple[int, LayerPage]],
                                                                       int, int | None, int]:
     """Every KV-holding layer's page, the attention block size, the state block size
-    and the checkpoint blocks a state layer keeps."""
+    and the prefill checkpoint blocks a state layer adds (:func:`_prefill_checkpoint`)."""
     kv = model.kv_dtype_bytes
     bs = backend_block_size(model, gpu) if block_size is None else block_size
     states = [la for la in model.layer_specs if la.kind in STATE_KINDS]
     mamba_block: int | None = None
     padded: int | None = None
-    checkpoint = 0
+    checkpoint, ckpt_align = _prefill_checkpoint(model, gpu, prefix_caching)
     if states:
         state_page = max(la.state_bytes(model.dtype_bytes, tp) for la in states)
         per_token = _attention_page_per_token(model, tp)
@@ -106,10 +130,8 @@ def _layer_pages(model: ModelConfig, gpu: GPUConfig, tp: int, prefix_caching: bo
             align = max(bs, DEFAULT_BLOCK_SIZE)
             if any(la.kind == "mla" for la in model.layer_specs):
                 align = max(align, 128)
-            ckpt = _checkpoint_alignment(model, gpu, prefix_caching)
-            if ckpt:
-                align = math.lcm(align, ckpt)
-                checkpoint = 1
+            if ckpt_align is not None:
+                align = math.lcm(align, ckpt_align)
             need = align * cdiv(state_page, align * per_token)
             need = DEFAULT_BLOCK_SIZE * cdiv(need, DEFAULT_BLOCK_SIZE)
             bs = max(bs, need)

@@ -15,7 +15,7 @@ kinds = st.one_of(
     st.just(FULL),
     st.integers(1, 5000).map(Sliding),
     st.integers(1, 9000).map(Chunked),
-    st.booleans().map(lambda align: State(align=align)),
+    st.builds(State, align=st.booleans(), checkpoints=st.integers(0, 1)),
 )
 lengths = st.lists(st.integers(0, 200_000), min_size=1, max_size=40)
 block_sizes = st.sampled_from([1, 4, 16, 64, 80, 528, 1040])
@@ -35,6 +35,7 @@ def test_ints_arrays_and_tensors_agree(kind: Kind, computed: list[int], block_si
         lambda c: kind.skipped(c),
         lambda c: kind.skipped_blocks(c, block_size),
         lambda c: kind.held_blocks(c, 131_072, block_size),
+        lambda c: kind.prompt_blocks(c + 1, 131_072, block_size),
     ]
     if kind.frees:
         forms.append(lambda c: kind.next_skip(c // block_size, block_size))
@@ -72,6 +73,27 @@ def test_worked_example() -> None:
     assert Full().skipped(19) == 0 and FULL.max_blocks(8192, 16, 4096) == 512
     assert w.max_blocks(8192, 4, 12) == 6   # ceil((7 + 12) / 4) + 1
     assert State(align=True).held_blocks(np.array([15, 16, 17]), 8192, 16).tolist() == [1, 2, 1]
+
+
+def test_state_blocks_by_mode() -> None:
+    """vLLM's MambaSpec: 1 block in "none" mode; in "align" mode (prefix caching) 2, and
+    the prefill checkpoint block a Mamba-2 or FlashInfer-GDN spec adds. The State
+    docstring's example: B = 16, a prompt of 40 keeps the states at 32 and at 40."""
+    none, mamba1, mamba2 = State(), State(align=True), State(align=True, checkpoints=1)
+    assert [k.max_blocks(8192, 16, 16384) for k in (none, mamba1, mamba2)] == [1, 2, 3]
+    prompts = np.array([1, 16, 17, 40])
+    assert none.prompt_blocks(prompts, 8192, 16).tolist() == [1, 1, 1, 1]
+    assert mamba1.prompt_blocks(prompts, 8192, 16).tolist() == [1, 1, 1, 1]
+    assert mamba2.prompt_blocks(prompts, 8192, 16).tolist() == [1, 1, 2, 2]
+    assert mamba2.held_blocks(40, 8192, 16) == 1 and mamba2.held_blocks(48, 8192, 16) == 2
+
+
+def test_a_prompt_step_skips_nothing_yet() -> None:
+    """Nothing is computed when a prompt's step is allocated: every kind holds every
+    position (vLLM's allocate_slots for gpt-oss at 1,000 tokens: 63 blocks in both groups)."""
+    for kind in (FULL, Sliding(128), Chunked(256)):
+        assert kind.prompt_blocks(1000, 131_072, 16) == 63
+        assert kind.prompt_blocks(1000, 512, 16) == 32      # at most max_len
 
 
 def test_rule_of_every_kind() -> None:

@@ -87,7 +87,9 @@ def test_nemotron_h_blocks_inflate_for_the_state():
     assert groups(p) == [("mamba", 4, 0)] * 6 + [("full", 4, 0)]
     assert p.padding_bytes_per_block == 24 * (4_259_840 - 4_255_744)
     assert p.num_gpu_blocks == 630
-    assert p.max_concurrency == pytest.approx(4.532374100719425, rel=1e-12)
+    # 6 Mamba-2 groups × (2 + 1 prefill checkpoint) + ceil(131,072 / 1,040): 145 a request
+    # (the old 139 came from vLLM fed fragsim's specs, which left the checkpoint out)
+    assert p.max_concurrency == pytest.approx(630 / 145, rel=1e-12)
     held = {1: [1] * 6 + [1], 1039: [1] * 6 + [1], 1040: [2] * 6 + [2], 1041: [1] * 6 + [2],
             2080: [2] * 6 + [3], 4096: [1] * 6 + [4]}
     assert {n: p.blocks_per_seq(n) for n in held} == held
