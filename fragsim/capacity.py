@@ -217,6 +217,7 @@ def plan_capacity(
     seq_len: int | None = None,
     async_scheduling: bool = True,
     hybrid_manager: bool | None = None,
+    chunked_hybrid: bool = True,
     vllm_block_size: int | None = None,
 ) -> CapacityReport:
     """The KV budget and pool of ``model`` on ``gpu``, and what a static allocator of
@@ -272,7 +273,8 @@ def plan_capacity(
         model, gpu, max(0, budget) if kv_cache_memory_bytes is None else kv_cache_memory_bytes,
         tp=tp, max_model_len=max_seq_len, prefix_caching=prefix_caching,
         max_num_batched_tokens=tokens, async_scheduling=async_scheduling,
-        block_size=vllm_block_size, hybrid_manager=hybrid_manager)
+        block_size=vllm_block_size, hybrid_manager=hybrid_manager,
+        chunked_hybrid=chunked_hybrid)
     naive_block = vllm_block_size or backend_block_size(model, gpu)
     vllm = plan_summary(plan, model, tp, seq_len, naive_block)
     per_gpu = model.kv_bytes_per_token_per_gpu(tp)

@@ -38,7 +38,7 @@ class RunSpec:
     gpu_memory_utilization: float = 0.9
     kv_slots: int | None = None           # override the pool size
     kv_cache_memory_bytes: int | None = None  # vLLM's --kv-cache-memory-bytes: the pool in bytes
-    hybrid_chunked: bool = False          # keep vLLM's hybrid manager for chunked local attention
+    hybrid_chunked: bool = True           # vLLM's hybrid manager for chunked local attention (0.33: on)
     batching: str = "continuous"
     preemption: str = "recompute"
     swap_space_gb: float = 4.0

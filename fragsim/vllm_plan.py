@@ -179,11 +179,14 @@ def plan_vllm(
     async_scheduling: bool = True,
     block_size: int | None = None,
     hybrid_manager: bool | None = None,
+    chunked_hybrid: bool = True,
 ) -> VllmPlan:
     """vLLM's KV cache groups, page size, block count and concurrency for ``model``
     on one ``tp`` rank of ``gpu`` with ``kv_cache_memory_bytes`` for the pool.
 
-    ``hybrid_manager=None`` follows vLLM: on, except for chunked local attention.
+    ``hybrid_manager=None`` follows vLLM 0.33: on, and for chunked local attention as
+    ``chunked_hybrid`` says (``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE``,
+    which defaults to 1 in vLLM 0.33's ``vllm/envs.py``).
     ``block_size=None`` takes the backend's default (a user's ``--block-size``
     may still be raised for state layers, as vLLM does).
     """
@@ -202,11 +205,11 @@ def plan_vllm(
         raise FragsimError(f"{model.name} keeps no KV cache or state; there is no pool to plan")
     has_chunked = any(p.kind == "chunked" for _, p in pages)
     if hybrid_manager is None:
-        hybrid_manager = not has_chunked
-        if has_chunked:
-            notes.append("vLLM turns its hybrid KV cache manager off for chunked local attention "
-                         "(VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 keeps it; "
-                         "--hybrid-chunked here): chunked layers hold every token's KV")
+        hybrid_manager = chunked_hybrid or not has_chunked
+        if has_chunked and not chunked_hybrid:
+            notes.append("the hybrid KV cache manager is off for chunked local attention "
+                         "(VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=0, "
+                         "--no-hybrid-chunked here): chunked layers hold every token's KV")
     if not hybrid_manager:
         if any(p.base == "mamba" for _, p in pages):
             raise FragsimError(f"{model.name} has state layers, which need vLLM's hybrid KV "

@@ -113,10 +113,16 @@ def test_chunked_local_with_the_hybrid_manager_kept_on():
     assert {n: p.blocks_per_seq(n) for n in held} == held
 
 
-def test_chunked_local_defaults_to_full_attention_as_vllm_does():
+def test_chunked_local_keeps_the_hybrid_manager_as_vllm_033_does():
+    # VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE defaults to 1 in vLLM 0.33
     p = plan("llama-4-scout")
-    assert groups(p) == [("full", 48, 0)] and not p.hybrid_manager
-    assert any("chunked local attention" in n for n in p.notes)
+    assert p.hybrid_manager and ("chunked", 12, 0) in groups(p) and not p.notes
+    off = plan_vllm(MODELS["llama-4-scout"], H200, TEN_GIB, max_model_len=131072,
+                    chunked_hybrid=False)
+    assert groups(off) == [("full", 48, 0)] and not off.hybrid_manager
+    assert any("--no-hybrid-chunked" in n for n in off.notes)
+    # the switch is for chunked local attention only
+    assert plan_vllm(MODELS["gpt-oss-20b"], H200, TEN_GIB, chunked_hybrid=False).hybrid_manager
 
 
 def test_qwen3_next_gdn_checkpoints_align_blocks_to_64():

@@ -64,9 +64,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="one step in flight instead of two (changes the concurrency vLLM logs "
                         "for sliding and chunked layers)")
-    p.add_argument("--hybrid-chunked", action="store_true",
-                   help="keep the hybrid KV cache manager on for chunked local attention (vLLM: "
-                        "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1)")
+    p.add_argument("--hybrid-chunked", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's hybrid KV cache manager for chunked local attention (Llama 4): on by "
+                        "default, as in vLLM 0.33; --no-hybrid-chunked turns it off, as "
+                        "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=0 does")
     p.add_argument("--catalog", metavar="FILE.toml", help="extra models/GPUs ([models.NAME], [gpus.NAME])")
     p.add_argument("--list", action="store_true", help="list the model and GPU presets and exit")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -268,7 +269,7 @@ def main(args: argparse.Namespace) -> int:
         activation_bytes=args.activation_bytes, avg_len=args.avg_len,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, prefix_caching=args.prefix_caching,
         seq_len=args.seq_len, async_scheduling=args.async_scheduling,
-        hybrid_manager=True if args.hybrid_chunked else None, vllm_block_size=args.block_size,
+        chunked_hybrid=args.hybrid_chunked, vllm_block_size=args.block_size,
     )
     if args.json:
         print(json.dumps(report.to_dict()))

@@ -58,9 +58,10 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=positive_int, metavar="BYTES",
                    help="KV pool size in bytes on one GPU, as vLLM's option (overrides the budget; "
                         "dense allocators cut it into slots of every layer's KV)")
-    g.add_argument("--hybrid-chunked", action="store_true",
-                   help="vllm-hybrid: keep the hybrid manager for chunked local attention (Llama 4), "
-                        "as VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1 does")
+    g.add_argument("--hybrid-chunked", action=argparse.BooleanOptionalAction, default=True,
+                   help="vLLM's hybrid KV cache manager for chunked local attention (Llama 4): on by "
+                        "default, as in vLLM 0.33; --no-hybrid-chunked turns it off, as "
+                        "VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=0 does")
     g = p.add_argument_group("allocator")
     g.add_argument("--allocator", default=None,
                    help=f"comma list of allocators/presets (default: {','.join(DENSE_DEFAULT)}; for "
@@ -131,7 +132,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization, kv_slots=args.kv_slots,
         kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
-        hybrid_chunked=getattr(args, "hybrid_chunked", False),
+        hybrid_chunked=getattr(args, "hybrid_chunked", True),
         batching=args.batching, preemption=args.preemption, swap_space_gb=args.swap_space_gb,
         queue_timeout_s=args.queue_timeout, truncate_prompts=args.truncate_prompts,
         cost_model=args.cost_model, step_time_s=args.step_time, rate=args.rate,

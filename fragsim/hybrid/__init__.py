@@ -35,7 +35,7 @@ __all__ = ["CATEGORIES", "MANAGERS", "POOL", "Group", "HybridManager", "JengaMan
 def create_manager(name: str, model: ModelConfig, gpu: GPUConfig, *, pool_bytes: int,
                    max_seq_len: int, tp: int = 1, block_size: int | None = None,
                    max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                   hybrid_chunked: bool = False, track_ids: bool = True,
+                   hybrid_chunked: bool = True, track_ids: bool = True,
                    prefix_caching: bool = False) -> HybridManager:
     """The manager ``name`` over ``pool_bytes`` of KV memory on one ``tp`` rank.
 
@@ -55,7 +55,7 @@ def create_manager(name: str, model: ModelConfig, gpu: GPUConfig, *, pool_bytes:
 
         plan = plan_vllm(model, gpu, pool_bytes, tp=tp, max_model_len=max_seq_len,
                          prefix_caching=prefix_caching, max_num_batched_tokens=max_num_batched_tokens,
-                         block_size=block_size, hybrid_manager=True if hybrid_chunked else None)
+                         block_size=block_size, chunked_hybrid=hybrid_chunked)
         if prefix_caching:
             return VllmPrefixManager(plan, max_seq_len=max_seq_len)
         return VllmHybridManager(plan, max_seq_len=max_seq_len, track_ids=track_ids)
