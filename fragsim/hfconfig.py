@@ -229,7 +229,13 @@ def _load(path: str | os.PathLike[str]) -> tuple[Path, dict[str, Any]]:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise FragsimError(f"cannot read model config {str(p)!r}: {exc.strerror}") from None
+        hint = ""
+        name = str(path)
+        if not Path(name).exists() and name.count("/") == 1 and not name.endswith(".json"):
+            # a hub id such as google/gemma-3-27b-it: nothing is fetched
+            hint = (f" (fragsim fetches nothing: download the model's config.json, e.g. "
+                    f"huggingface-cli download {name} config.json, and give its path)")
+        raise FragsimError(f"cannot read model config {str(p)!r}: {exc.strerror}{hint}") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -161,6 +161,10 @@ def test_malformed_configs_get_one_line_naming_the_field(tmp_path, capsys, text,
 def test_missing_file_is_named(capsys):
     assert main(["capacity", "--model", "nowhere/config.json", "--gpu", "h100-80gb"]) == 2
     assert "cannot read model config 'nowhere/config.json'" in capsys.readouterr().err
+    # a hub id: nothing is fetched, and the error says how to get the file
+    assert main(["capacity", "--model", "google/gemma-3-27b-it"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "huggingface-cli download google/gemma-3-27b-it config.json" in err
 
 
 def test_dense_presets_keep_their_bytes_and_new_presets_cite_configs():
