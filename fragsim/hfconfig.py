@@ -110,11 +110,19 @@ def as_transformers_reads(raw: dict[str, Any], where: str, arch: str) -> dict[st
     written."""
     text = raw.get("text_config")
     table = {**raw, **text} if isinstance(text, dict) else dict(raw)
+    # transformers advises, on import, that models need PyTorch; configs do not
+    advisory = os.environ.get("TRANSFORMERS_NO_ADVISORY_WARNINGS")
+    os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
     try:
         from transformers import CONFIG_MAPPING
     except ImportError:  # pragma: no cover - a dependency; kept for a clear message
         raise FragsimError(f"{where}: reading a config.json needs transformers "
                            "(pip install 'transformers>=5.16.1')") from None
+    finally:
+        if advisory is None:
+            del os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"]
+        else:
+            os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = advisory
     model_type = _model_type(raw, arch)
     if model_type is None or model_type not in CONFIG_MAPPING:
         return table
