@@ -171,7 +171,7 @@ def _mamba2_state(c: _Config, prefix: str = "mamba_", ssm_dtype: str = "auto") -
                       n_groups=groups, num_heads=heads, head_dim=head_dim, ssm_dtype=ssm_dtype)
 
 
-def _state_layer(c: _Config, where: str) -> LayerSpec:
+def _state_layer(c: _Config) -> LayerSpec:
     """A state layer of ``c``'s family: its state's shape is the family's own."""
     arch = c.arch
     if arch.startswith("Jamba"):
@@ -190,7 +190,7 @@ def _state_layer(c: _Config, where: str) -> LayerSpec:
         return state_layer("mamba", _mamba2_state(c, prefix="", ssm_dtype=dtype))
     if arch.startswith(("Bamba", "FalconH1", "GraniteMoeHybrid")):
         return state_layer("mamba", _mamba2_state(c))
-    raise FragsimError(f"{where}: {arch} has state (linear-attention or Mamba) layers, whose "
+    raise FragsimError(f"{c.where}: {arch} has state (linear-attention or Mamba) layers, whose "
                        f"state shape fragsim knows for Jamba, Bamba, Nemotron-H, Granite "
                        f"hybrids, Falcon-H1 and Qwen3-Next only")
 
@@ -215,7 +215,7 @@ def _layers(c: _Config, n: int) -> list[LayerSpec]:
                                f"{', '.join(_LAYER_TYPES)}")
         kind = _LAYER_TYPES[name]
         if kind in ("state", "hybrid"):
-            state = state or _state_layer(c, c.where)
+            state = state or _state_layer(c)
         if kind in ("full", "hybrid"):
             out.append(full(kv_heads, head_dim))
         elif kind == "sliding":
@@ -259,14 +259,16 @@ def is_config_path(name: str) -> bool:
     return name.endswith(".json") or os.sep in name or "/" in name or Path(name).is_dir()
 
 
-def read_hf_config(path: str | os.PathLike[str], name: str | None = None) -> Any:
+def read_hf_config(path: str | os.PathLike[str], name: str | None = None,
+                   source: str | None = None) -> Any:
     """The :class:`~fragsim.catalog.ModelConfig` a ``config.json`` (or the folder
-    holding one) describes; ``name`` defaults to the file's ``_name_or_path`` or folder."""
+    holding one) describes; ``name`` defaults to the file's ``_name_or_path`` or folder,
+    ``source`` to the file's path."""
     p, raw = _load(path)
     if name is None:
         stem = p.parent.name if p.name == "config.json" else p.stem
         name = (str(raw.get("_name_or_path") or "").split("/")[-1] or stem).lower()
-    return model_from_hf(raw, str(p), name=name, source=str(p))
+    return model_from_hf(raw, str(p), name=name, source=source or str(p))
 
 
 def model_from_hf(raw: dict[str, Any], where: str, *, name: str, source: str) -> Any:

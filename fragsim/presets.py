@@ -32,7 +32,6 @@ bytes. A preset is read when it is first asked for (:class:`fragsim.catalog.Pres
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -107,10 +106,8 @@ def preset_readers() -> dict[str, Callable[[], Any]]:
     from fragsim.hfconfig import model_from_hf, read_hf_config
 
     def published(name: str) -> Callable[[], Any]:
-        def read() -> Any:
-            model = read_hf_config(FILES / f"{name}.json", name=name)
-            return dataclasses.replace(model, source=_HF.format(PUBLISHED[name]))
-        return read
+        return lambda: read_hf_config(FILES / f"{name}.json", name=name,
+                                      source=_HF.format(PUBLISHED[name]))
 
     def copied(name: str) -> Callable[[], Any]:
         raw, source = COPIED[name]
