@@ -233,10 +233,11 @@ def _print_plan(console: Any, d: dict[str, Any], model: Any) -> None:
         p.add_row(f"bytes one {d['seq_len']:,}-token sequence holds", f"{d['bytes_per_seq']:,} B",
                   f"{d['seq_len'] * d['naive_bytes_per_token']:,} B")
     console.print(p)
-    ratio = d["max_concurrency"] / d["naive_max_concurrency"] if d["naive_max_concurrency"] else 0
-    console.print(f"the naive estimate is off by {ratio:.2f}x in concurrency "
-                  f"({d['max_num_batched_tokens']:,} batched tokens, {d['in_flight_tokens']:,} in flight)",
-                  highlight=False, soft_wrap=True)
+    if d["naive_max_concurrency"]:    # with no pool at all there is nothing to compare
+        ratio = d["max_concurrency"] / d["naive_max_concurrency"]
+        console.print(f"the naive estimate is off by {ratio:.2f}x in concurrency "
+                      f"({d['max_num_batched_tokens']:,} batched tokens, "
+                      f"{d['in_flight_tokens']:,} in flight)", highlight=False, soft_wrap=True)
     for note in d["vllm_notes"]:
         console.print(f"note: {note}", highlight=False, soft_wrap=True)
 
