@@ -121,7 +121,8 @@ def test_save_then_load_gives_the_same_trace(
         arrivals,
         np.array([p for _, p, _ in rows]),
         np.array([o for _, _, o in rows]),
-        block_hashes=[(i, -i, 2**40) for i in range(len(rows))] if hashes else None,
+        block_hashes=[tuple(range(i * 2**40, i * 2**40 + -(-p // 512))) for i, (_, p, _) in enumerate(rows)]
+        if hashes else None,
         block_hash_size=512 if hashes else None,
     )
     path = tmp_path_factory.mktemp("rt") / "t.csv"

@@ -178,12 +178,12 @@ BAD_INPUTS = {
     "bad seconds": (
         "s.csv",
         "arrived_at,num_prefill_tokens,num_decode_tokens\n0.5,1,1\nsoon,1,1\n",
-        ["s.csv: row 2: field 'arrived_at': expected a number of seconds, got 'soon'"],
+        ["s.csv: row 2: field 'arrived_at': expected a number of seconds >= 0, got 'soon'"],
     ),
     "infinite seconds": (
         "inf.csv",
         "arrival_time_s,prompt_len,output_len\ninf,1,1\n",
-        ["inf.csv: row 1: field 'arrival_time_s': expected a number of seconds, got 'inf'"],
+        ["inf.csv: row 1: field 'arrival_time_s': expected a number of seconds >= 0, got 'inf'"],
     ),
     "bad hash": (
         "bh.csv",
@@ -214,7 +214,29 @@ BAD_INPUTS = {
     "json null timestamp": (
         "jt.jsonl",
         JSON_OK + JSON_OK.replace('"timestamp": 0', '"timestamp": null'),
-        ["jt.jsonl: line 2: field 'timestamp': expected a number of seconds, got 'null'"],
+        ["jt.jsonl: line 2: field 'timestamp': expected a number of milliseconds >= 0, got 'null'"],
+    ),
+    "negative seconds": (
+        "ns.csv",
+        "arrival_time_s,prompt_len,output_len\n0,1,1\n-2.5,1,1\n",
+        ["ns.csv: row 2: field 'arrival_time_s': expected a number of seconds >= 0, got '-2.5'"],
+    ),
+    "json negative timestamp": (
+        "jn.jsonl",
+        JSON_OK + JSON_OK.replace('"timestamp": 0', '"timestamp": -40'),
+        ["jn.jsonl: line 2: field 'timestamp': expected a number of milliseconds >= 0, got '-40'"],
+    ),
+    "json too few hashes": (
+        "jf.jsonl",
+        JSON_OK + JSON_OK.replace("[0, 1]", "[0]"),
+        ["jf.jsonl: line 2: field 'hash_ids': expected 2 hashes (one per 512 tokens of "
+         "input_length 600), got 1"],
+    ),
+    "csv too many hashes": (
+        "cm.csv",
+        "arrival_time_s,prompt_len,output_len,block_hashes\n0,512,1,3\n1,512,1,3 4\n",
+        ["cm.csv: row 2: field 'block_hashes': expected 1 hashes (one per 512 tokens of "
+         "prompt_len 512), got 2"],
     ),
     "json hash not list": (
         "jh.jsonl",

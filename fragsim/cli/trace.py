@@ -66,6 +66,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"first N rows of a file; size of a workload (default {DEFAULT_WORKLOAD_REQUESTS})",
     )
     stats.set_defaults(func=main)
+    from fragsim.cli import trace_hits, trace_sessions
+
+    trace_hits.register(commands)
+    trace_sessions.register(commands)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -84,11 +84,14 @@ def positive_ints(values: np.ndarray, raw: RawValue, field: str, at: Locator) ->
     return values.astype(np.int64)
 
 
-def finite_seconds(values: np.ndarray, raw: RawValue, field: str, at: Locator) -> np.ndarray:
-    """Check that every arrival time is a finite number of seconds."""
-    index = _first(~np.isfinite(values))
+def finite_seconds(values: np.ndarray, raw: RawValue, field: str, at: Locator,
+                   unit: str = "seconds") -> np.ndarray:
+    """Check that every arrival time is a finite, non-negative number of ``unit``."""
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(values) | (values < 0)
+    index = _first(bad)
     if index is not None:
-        raise at.error(index, field, "a number of seconds", raw(index))
+        raise at.error(index, field, f"a number of {unit} >= 0", raw(index))
     return values
 
 
@@ -135,6 +138,18 @@ def hash_tuples(
         flat = cast("list[int]", converted)
     bounds = ends.tolist()
     return [tuple(flat[s:e]) for s, e in zip([0, *bounds[:-1]], bounds, strict=True)]
+
+
+def hash_counts(hashes: Sequence[Sequence[int]], prompt: np.ndarray, block_size: int,
+                field: str, prompt_field: str, at: Locator) -> None:
+    """Check that every row has one hash per ``block_size`` prompt tokens (the last may be partial)."""
+    counts = np.fromiter((len(h) for h in hashes), dtype=np.int64, count=len(hashes))
+    want = -(-prompt // block_size)
+    index = _first(counts != want)
+    if index is not None:
+        raise FragsimError(
+            f"{at.where(index)}: field '{field}': expected {int(want[index])} hashes (one per "
+            f"{block_size} tokens of {prompt_field} {int(prompt[index])}), got {int(counts[index])}")
 
 
 def _as_int(value: object) -> int | None:

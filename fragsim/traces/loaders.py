@@ -36,6 +36,7 @@ import csv
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -115,10 +116,37 @@ def load_trace(name_or_path: str | os.PathLike[str]) -> Trace:
 
 def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
     """Write ``trace`` as a plain CSV (atomically), which :func:`load_trace` reads back."""
+    _check_hash_size(trace)
     frame = trace.to_frame()
     if trace.block_hashes is not None:
         frame["block_hashes"] = [" ".join(map(str, h)) for h in trace.block_hashes]
     write_atomically(path, lambda out: frame.to_csv(out, index=False))
+
+
+def save_mooncake(trace: Trace, path: str | os.PathLike[str],
+                  extra: dict[str, Sequence[int] | np.ndarray] | None = None) -> None:
+    """Write ``trace`` as Mooncake JSON lines (timestamps in whole milliseconds), atomically.
+
+    ``extra`` adds integer fields per record (e.g. a session id); readers ignore them."""
+    _check_hash_size(trace)
+    columns: dict[str, list] = {
+        "timestamp": np.rint(trace.arrival_s * 1000.0).astype(np.int64).tolist(),
+        "input_length": trace.prompt_len.tolist(),
+        "output_length": trace.output_len.tolist(),
+    }
+    if trace.block_hashes is not None:
+        columns["hash_ids"] = [list(h) for h in trace.block_hashes]
+    for key, values in (extra or {}).items():
+        columns[key] = [int(v) for v in values]
+    keys = list(columns)
+    lines = (json.dumps(dict(zip(keys, row, strict=True))) for row in zip(*columns.values(), strict=True))
+    write_atomically(path, lambda out: out.write(("\n".join(lines) + "\n").encode()), "the trace")
+
+
+def _check_hash_size(trace: Trace) -> None:
+    if trace.block_hashes is not None and trace.block_hash_size != MOONCAKE_BLOCK_SIZE:
+        raise ValueError(f"{trace.name}: trace files hold one hash per {MOONCAKE_BLOCK_SIZE} "
+                         f"tokens; this trace has one per {trace.block_hash_size}")
 
 
 def _read_head(path: Path, label: str) -> str:
@@ -168,6 +196,7 @@ def _load_csv(path: Path, label: str, trace_name: str, source: str, first: str) 
     if fmt.hashes and fmt.hashes in frame.columns:
         cells = frame[fmt.hashes].str.split().tolist()
         hashes = col.hash_tuples(cells, col.csv_raw(frame[fmt.hashes]), fmt.hashes, at)
+        col.hash_counts(hashes, prompt, MOONCAKE_BLOCK_SIZE, fmt.hashes, fmt.prompt, at)
     if fmt.arrival is None:
         return Trace(trace_name, source, np.zeros(len(frame)), prompt, output, has_timestamps=False)
     raw = frame[fmt.arrival]
@@ -205,7 +234,8 @@ def _load_mooncake(path: Path, label: str, trace_name: str, source: str) -> Trac
             )
         fields[key] = values
     stamps = fields["timestamp"]
-    arrival = col.finite_seconds(col.json_numbers(stamps), col.json_raw(stamps), "timestamp", at)
+    arrival = col.finite_seconds(col.json_numbers(stamps), col.json_raw(stamps), "timestamp", at,
+                                 unit="milliseconds")
     prompt, output = (
         col.positive_ints(col.json_numbers(fields[k]), col.json_raw(fields[k]), k, at)
         for k in ("input_length", "output_length")
@@ -220,6 +250,7 @@ def _load_mooncake(path: Path, label: str, trace_name: str, source: str) -> Trac
             )
         lists = cast("list[list[object]]", cells)
         hashes = col.hash_tuples(lists, col.json_raw(cells), "hash_ids", at)
+        col.hash_counts(hashes, prompt, MOONCAKE_BLOCK_SIZE, "hash_ids", "input_length", at)
     block_size = MOONCAKE_BLOCK_SIZE if hashes is not None else None
     seconds = arrival / 1000.0
     return _sorted_trace(trace_name, source, label, seconds, prompt, output, hashes, block_size)
