@@ -197,3 +197,4 @@ class Prefill:
     rooms: tuple[int, ...]      # their rooms (KV manager)
     shared: int = 0             # slots its sequences share among themselves
     cached: int = 0             # leading tokens found in the prefix cache (done started there)
+    loading: int = 0            # tokens being loaded from an offload tier (it waits for them)

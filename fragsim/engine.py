@@ -51,6 +51,7 @@ from fragsim.engine_views import AddressMapSampler, StepObserver, live_sequences
 from fragsim.kv import as_kv_manager
 from fragsim.kv.protocol import KVManager
 from fragsim.metrics import Recorder
+from fragsim.offload.connector import OffloadConnector
 from fragsim.request_table import (
     BLOCK_BATCH,
     BLOCK_CAP,
@@ -67,12 +68,14 @@ class Engine:
 
     def __init__(self, trace: Any, kv: KVManager | Any, cost_model: CostModel,
                  config: EngineConfig, progress: Callable[[int], None] | None = None,
-                 observer: StepObserver | None = None) -> None:
+                 observer: StepObserver | None = None, offload: OffloadConnector | None = None) -> None:
         if observer is not None and not config.exact_steps:
             raise ValueError("an observer sees every step, so it needs exact_steps=True")
         self.kv: KVManager = as_kv_manager(kv, trace, config)
         self.kv.validate(config)
         self.observer, self.cfg, self.cost, self.progress = observer, config, cost_model, progress
+        #: a CPU tier below the GPU pool (:mod:`fragsim.offload.connector`); None without
+        self.offload = offload
         self.grows = self.kv.grows_on_demand
         self.width = config.width
         self.beams = BeamSearch(config.width, config.beam_theta, config.sharing_seed) \
@@ -124,6 +127,8 @@ class Engine:
         reqs.finish_at(req, self.now)
         if self.kv.prefix is not None:
             self.kv.prefix.forget(req)
+        if self.offload is not None:
+            self.offload.finish(req)
         if self.progress is not None and reqs.num_done % 256 == 0:
             self.progress(reqs.num_done)
 
@@ -200,6 +205,7 @@ class Engine:
             # A group restarts from its prompt after a preemption; one sequence resumes.
             context = prompt if width > 1 else prompt + int(reqs.generated[req])
             hit = prefix.lookup(req, prompt, context) if prefix is not None else None
+            gpu_hit = hit.tokens if hit is not None else 0
             tokens = kv.admission_tokens(prompt, int(reqs.output[req]), context)
             seqs = (req,) if width == 1 else (req, *range(self._next_seq, self._next_seq + width - 1))
             admitted = kv.admit(seqs, tokens, int(reqs.final[req]), prompt, hit)
@@ -213,17 +219,37 @@ class Engine:
             self.waiting.popleft()
             running += width
             reqs.status[req] = RUNNING
-            done = hit.tokens if hit is not None else 0
+            done = gpu_hit
             p = Prefill(req, context, done, seqs, admitted.rooms, admitted.shared, done)
             self.prefilling.append(p)
-            chunk = min(self.budget, context - done)
-            self.chunks.append((p, chunk))
-            self.budget -= chunk
             if prefix is not None:
                 self.num_prefix_queries += context
                 self.num_prefix_hits += done
                 reqs.cached[req] = done
+            if self.offload is not None:
+                p.loading = self.offload.lookup(req, prompt, context, done, self.now)
+                if p.loading:
+                    continue  # it waits for its load (vLLM: WAITING_FOR_REMOTE_KVS)
+            chunk = min(self.budget, context - done)
+            self.chunks.append((p, chunk))
+            self.budget -= chunk
         return True
+
+    def _poll_offload(self) -> None:
+        """Transfers that landed by now: loaded requests may prefill the rest, and blocks
+        held for stores are freed."""
+        assert self.offload is not None
+        ready, freed = self.offload.poll(self.now, self.kv.free)
+        self.freed |= freed
+        if not ready:
+            return
+        loaded = set(ready)
+        for p in self.prefilling:
+            if p.req in loaded:
+                p.done += p.loading
+                p.cached += p.loading
+                self.requests.cached[p.req] += p.loading
+                p.loading = 0
 
     def _step(self) -> float:
         """One step from ``self.now``: decisions, then its duration. Returns dt."""
@@ -233,6 +259,8 @@ class Engine:
         self.chunks: list[tuple[Prefill, int]] = []
         self.pull_arrivals()
         self.expire_waiting()
+        if self.offload is not None:
+            self._poll_offload()
         if self.grows:
             self._grow_decoders()
         self.budget = cfg.num_batched_tokens - self.batch.n
@@ -240,6 +268,8 @@ class Engine:
         for p in self.prefilling:
             if self.budget <= 0:
                 break
+            if p.loading:
+                continue
             if not self.chunks or all(p is not q for q, _ in self.chunks):
                 chunk = min(self.budget, p.target - p.done)
                 self.chunks.append((p, chunk))
@@ -282,6 +312,9 @@ class Engine:
             stored += sum(p.done for p in self.prefilling)
         if self.kv.shared_slots:
             stored -= self.duplicate_stored()
+        if self.offload is not None:
+            held_stored, self.rec.held = self.offload.held_slots(self.kv, self.requests.final)
+            stored += held_stored
         self.kv.record(self.rec, self.now, dt, stored, self, self.num_running(),
                        len(self.waiting) + len(self.swapped))
 
@@ -299,6 +332,8 @@ class Engine:
             req = p.req
             if prefix is not None:
                 prefix.cache(req, int(reqs.prompt[req]), p.done)
+            if self.offload is not None:
+                self.offload.store(req, int(reqs.prompt[req]), p.done, self.now)
             if p.done < p.target:
                 continue
             self.prefilling.remove(p)
@@ -315,9 +350,12 @@ class Engine:
             return  # no row completes in this step
         done = (b.offset[: b.n] + g >= b.final[: b.n]).nonzero()[0]
         if len(done):
-            status, free = reqs.status, self.kv.free
+            status, free, offload = reqs.status, self.kv.free, self.offload
             for req, seq in zip(b.req[done].tolist(), b.seq[done].tolist(), strict=True):
-                free(seq)
+                if offload is not None and offload.must_hold(req):
+                    offload.hold(req, seq)  # its stores read these blocks: freed when they land
+                else:
+                    free(seq)
                 if self.beams is not None:
                     self.beams.forget(seq)
                 if status[req] != FINISHED:  # several rows of one request end together
@@ -328,14 +366,23 @@ class Engine:
     # ------------------------------------------------------------------ driver
 
     def _idle_until_next_arrival(self) -> float:
+        """Nothing to compute: the clock moves to the next arrival, or to the next
+        transfer landing when an offload tier has one in flight."""
         reqs = self.requests
         nxt = reqs.next_row
-        if nxt >= reqs.N:
+        target = float(reqs.arrival[nxt]) if nxt < reqs.N else math.inf
+        if self.offload is not None:
+            landing = self.offload.next_done()
+            if landing is not None:
+                target = min(target, max(landing, self.now))
+        if target == math.inf:
             return 0.0
-        target = float(reqs.arrival[nxt])
         dt = target - self.now
         if dt > 0:
-            self.kv.record(self.rec, self.now, dt, 0, self, 0, len(self.waiting))
+            if self.offload is not None:
+                self._record_step(dt, 0)
+            else:
+                self.kv.record(self.rec, self.now, dt, 0, self, 0, len(self.waiting))
         self.now = target
         return dt
 
@@ -343,17 +390,18 @@ class Engine:
         static = self.cfg.batching == "static"
         step, jump = (request_batching.static_step, request_batching.static_jump) if static \
             else (Engine._step, stretch.jump)
-        reqs = self.requests
+        reqs, offload = self.requests, self.offload
         while reqs.num_done < reqs.N:
-            dt = jump(self) or step(self)
+            dt = (0.0 if offload is not None and offload.busy else jump(self)) or step(self)
             if not dt:
                 busy = self.num_running() or self.waiting or self.swapped
-                if busy and reqs.next_row >= reqs.N:
+                in_flight = offload is not None and offload.busy
+                if busy and reqs.next_row >= reqs.N and not in_flight:
                     raise RuntimeError(
                         f"scheduler stalled at t={self.now:.3f}s with {len(self.waiting)} waiting and "
                         f"nothing running; this is a bug (please report the configuration)")
                 dt = self._idle_until_next_arrival()
-                if not dt and not busy:
+                if not dt and not busy and not in_flight:
                     continue
             self.num_events += 1
             if self.address_sampler.due(self.now):
@@ -362,8 +410,12 @@ class Engine:
 
     def run(self) -> Engine:
         env = simpy.Environment(initial_time=self.now)
+        if self.offload is not None:
+            self.offload.bind(env)
         env.process(self._process(env))
         env.run()
+        if self.offload is not None:
+            self.offload.close(self.now)
         if self.progress is not None:
             self.progress(self.requests.num_done)
         return self
@@ -396,5 +448,7 @@ class Engine:
             assert kv.room(seq) == b.room[row], f"seq {seq}: the engine's room is not the KV manager's"
             assert int(b.offset[row]) + g <= b.final[row] or self.cfg.batching == "static"
         kv.check(self)
+        if self.offload is not None:
+            self.offload.check()
         for fn in self.checks:
             fn(self)

@@ -26,6 +26,12 @@ them, so that ``shared / (owned + shared)`` is the fraction of blocks sharing
 saves (the vLLM paper's Figure 15). How a shared slot is attributed is
 :mod:`fragsim.kv.sharing`'s business; the recorder sees the physical parts.
 
+With an offload tier (:mod:`fragsim.offload.connector`) a finished request keeps
+its blocks until its stores to the tier land. Slots only such requests hold are
+``held`` (the engine sets :attr:`Recorder.held` before recording): a fifth part,
+carved out of token states, so that
+``token_states + held + reservation + internal + free == capacity``.
+
 The engine reports piecewise-constant states: "from ``t`` for ``dt`` seconds the
 pool looked like this". Averages are the exact time integrals divided by the
 span, peaks the maxima over states held for a positive time. A stretch of many
@@ -136,6 +142,11 @@ class Recorder:
         self._peak = [0.0] * n
         self._span = 0.0
         self._shared = 0.0        # ∫ shared slots dt
+        #: slots held now only by finished requests whose stores to an offload tier are in
+        #: flight (the engine sets it before recording); carved out of token states
+        self.held = 0
+        self._held = 0.0          # ∫ held dt
+        self._peak_held = 0
         self._peak_shared = 0
         self._num_intervals = 0
         self._buckets: dict[int, list[float]] = {}
@@ -147,6 +158,13 @@ class Recorder:
         """One state held from ``t`` for ``dt`` seconds (``owned``: physical slots)."""
         free = self.capacity - owned
         reservation = owned - token_states - internal
+        held = self.held
+        if held:
+            # Slots only finished requests hold, for their pending stores: out of token states.
+            token_states -= held
+            if dt > 0:
+                self._held += held * dt
+                self._peak_held = max(self._peak_held, held)
         if token_states < 0 or internal < 0 or reservation < 0 or free < 0:
             raise AssertionError(
                 f"broken split at t={t}: token_states={token_states} reservation={reservation} "
@@ -174,6 +192,7 @@ class Recorder:
         allocatable is the free count and the external fragmentation ratio is 0."""
         if len(dts) == 0:
             return
+        assert not self.held, "a stretch never runs while blocks are held for stores"
         if shared:
             self._shared += shared * float(dts.sum())
             self._peak_shared = max(self._peak_shared, shared)
@@ -284,6 +303,13 @@ class Recorder:
     def mean_shared(self) -> float:
         """Time-weighted mean of the slots sharing saves (0 without sharing)."""
         return self._shared / self._span if self._span > 0 else 0.0
+
+    def mean_held(self) -> float:
+        """Time-weighted mean of the slots held only for pending stores (0 without a tier)."""
+        return self._held / self._span if self._span > 0 else 0.0
+
+    def peak_held(self) -> int:
+        return self._peak_held
 
     def peak_shared(self) -> int:
         return self._peak_shared

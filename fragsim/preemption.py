@@ -31,6 +31,8 @@ def preempt_latest(engine: Engine) -> int:
     if pre is not None and pre.req > cand:
         reqs.cached[pre.req] = 0  # its next placement finds the cache anew
         engine.prefilling.remove(pre)
+        if pre.loading and engine.offload is not None:
+            engine.offload.cancel(pre.req)
         held = sum(kv.free(seq) for seq in pre.seqs)
         requeue(engine, pre.req, 0, held)
         return pre.req

@@ -26,10 +26,19 @@ from fragsim.files import write_atomically
 SPLIT = ("token_states", "reservation", "internal_fragmentation", "free")
 SPLIT_LABELS = {"token_states": "token states", "reservation": "reservation",
                 "internal_fragmentation": "internal frag.", "free": "free / external",
-                "padding": "padding", "out_of_window": "out of window"}
+                "padding": "padding", "out_of_window": "out of window",
+                "store_pending": "held for stores"}
 SPLIT_COLORS = {"token_states": "#2b6cb0", "reservation": "#f6ad55",
                 "internal_fragmentation": "#e53e3e", "free": "#cbd5e0",
-                "padding": "#718096", "out_of_window": "#9f7aea"}
+                "padding": "#718096", "out_of_window": "#9f7aea", "store_pending": "#319795"}
+#: the parts of an offload tier (fragsim.offload.connector), bottom to top
+TIER_SPLIT = ("cached_hit_later", "cached_never_hit", "read_pending", "write_pending",
+              "chunk_tail", "free")
+TIER_LABELS = {"cached_hit_later": "cached, hit later", "cached_never_hit": "cached, never hit again",
+               "read_pending": "being read", "write_pending": "being written",
+               "chunk_tail": "chunk tails", "free": "free"}
+TIER_COLORS = {"cached_hit_later": "#2f855a", "cached_never_hit": "#9ae6b4", "read_pending": "#3182ce",
+               "write_pending": "#dd6b20", "chunk_tail": "#e53e3e", "free": "#cbd5e0"}
 
 
 def run_id(config: dict[str, Any]) -> str:
@@ -80,6 +89,8 @@ def write_results(out_root: Path, config: dict[str, Any], results: Sequence[Any]
         if plot:
             plot_split_bars(summaries, tmp / "memory_split.png")
             plot_split_over_time(results, tmp / "memory_over_time.png")
+            if any(s.get("tiers") for s in summaries):
+                plot_tiers(summaries, tmp / "tiers.png")
             hybrid = [r for r in results if r.summary.get("by_kind")]
             if hybrid:
                 plot_kinds_over_time(hybrid, tmp / "memory_by_kind.png")
@@ -111,6 +122,8 @@ def comparison_table(summaries: Sequence[dict[str, Any]], title: str) -> Any:
         *([("padding", "padding_frac", "pct"), ("out of window", "out_of_window_frac", "pct")]
           if any("padding_frac" in s for s in summaries) else []),
         ("free", "free_frac", "pct"),
+        *([("held for stores", "store_pending_frac", "pct")] if any(s.get("tiers") for s in summaries)
+          else []),
         ("ext. frag mean/peak", None, "ext"),
         ("running mean/peak", None, "run"),
         ("blocked frag/cap", None, "blocked"),
@@ -173,6 +186,8 @@ def plot_split_bars(summaries: Sequence[dict[str, Any]], path: Path, title: str 
     bottom = np.zeros(len(names))
     hybrid = any("padding_frac" in s for s in summaries)
     split = SPLIT[:3] + ("padding", "out_of_window", "free") if hybrid else SPLIT
+    if any(s.get("store_pending_frac") for s in summaries):
+        split = (split[0], "store_pending", *split[1:])
     for q in split:
         vals = np.array([100 * (s.get(f"{q}_frac") or 0.0) for s in summaries])
         bars = ax.bar(names, vals, bottom=bottom, color=SPLIT_COLORS[q], label=SPLIT_LABELS[q],
@@ -185,6 +200,38 @@ def plot_split_bars(summaries: Sequence[dict[str, Any]], path: Path, title: str 
     ax.set_ylabel("KV cache memory (%), time-weighted mean")
     ax.set_ylim(0, 100)
     ax.set_title(title or "Where the KV cache memory goes")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    _savefig(fig, path)
+    plt.close(fig)
+
+
+def plot_tiers(summaries: Sequence[dict[str, Any]], path: Path) -> None:
+    """Where each offload tier's bytes go (time-weighted), one bar per allocator and tier,
+    each labelled with its hit tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bars = [(f"{s['allocator']}\n{t['name']} {t['capacity_bytes'] / 2**30:,.1f} GiB", t)
+            for s in summaries for t in s.get("tiers") or ()]
+    fig, ax = plt.subplots(figsize=(1.6 * len(bars) + 3.0, 4.0))
+    names = [name for name, _ in bars]
+    bottom = np.zeros(len(bars))
+    for q in TIER_SPLIT:
+        vals = np.array([100 * t[f"{q}_frac"] for _, t in bars])
+        rects = ax.bar(names, vals, bottom=bottom, color=TIER_COLORS[q], label=TIER_LABELS[q],
+                       edgecolor="white", linewidth=0.5)
+        for rect, v, b in zip(rects, vals, bottom, strict=True):
+            if v >= 6:
+                ax.text(rect.get_x() + rect.get_width() / 2, b + v / 2, f"{v:.1f}",
+                        ha="center", va="center", fontsize=8)
+        bottom += vals
+    for i, (_, t) in enumerate(bars):
+        ax.text(i, 101, f"hits {t['hits_tokens']:,} tok", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("tier memory (%), time-weighted mean")
+    ax.set_ylim(0, 108)
+    ax.set_title("Where the bytes of each offload tier go")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     _savefig(fig, path)
     plt.close(fig)

@@ -71,6 +71,44 @@ def make_allocator(name: str, capacity: int, spec: RunSpec) -> Any:
         raise FragsimError(str(exc)) from None
 
 
+def make_offload(trace: Any, allocator_name: str, spec: RunSpec, model: Any, gpu: Any) -> Any:
+    """The CPU tier a spec asks for (:mod:`fragsim.offload.connector`), or an error naming
+    what it cannot run with."""
+    from fragsim.allocators import PRESETS
+    from fragsim.offload.connector import OffloadConnector, OffloadSpec
+
+    placement = PRESETS[allocator_name][0] if allocator_name in PRESETS else allocator_name
+    why = None
+    if is_hybrid_manager(allocator_name):
+        why = ("offload tiers run over the dense paged pool in this release; the hybrid managers "
+               "(their full-attention groups) are not modelled with a tier yet")
+    elif placement not in ("paged", "paged-shared"):
+        why = f"a tier moves whole blocks, and {allocator_name!r} ({placement}) is not paged: use vllm or paged"
+    elif spec.preemption == "swap":
+        why = ("swap preemption and the CPU tier would both claim host memory; fragsim does not "
+               "share one host pool between them yet: use --preemption recompute (vLLM v1 has no swap)")
+    elif spec.num_samples > 1 or spec.beam_width > 1:
+        why = "parallel sampling and beam search are not modelled with a tier"
+    elif spec.batching != "continuous":
+        why = "a tier needs continuous batching"
+    if why is not None:
+        raise FragsimError(f"--kv-offloading-size with allocator {allocator_name!r}: {why}")
+    assert spec.kv_offloading_size is not None
+    offload = OffloadSpec(spec.kv_offloading_size, spec.kv_offloading_policy,
+                          spec.kv_offloading_block_size, spec.kv_offloading_store_threshold,
+                          spec.kv_offloading_prompt_only)
+    try:
+        connector = OffloadConnector(trace, offload, spec.block_size,
+                                     model.kv_bytes_per_token_per_gpu(spec.tp), spec.tp,
+                                     gpu.pcie_bandwidth)
+    except ValueError as exc:
+        raise FragsimError(str(exc)) from None
+    if connector.num_chunks < 1:
+        raise FragsimError(f"--kv-offloading-size {spec.kv_offloading_size:g} GiB holds no block of "
+                           f"{connector.chunk_bytes:,} bytes ({connector.chunk} tokens of every GPU)")
+    return connector
+
+
 def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
                 progress: Callable[[int], None] | None = None, check: bool = False,
                 cost: Any = None, model_gpu: tuple[Any, Any] | None = None) -> Engine:
@@ -106,6 +144,8 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
         )
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
+    offload = make_offload(trace, allocator_name, spec, model, gpu) \
+        if spec.kv_offloading_size is not None else None
     kv: Any = allocator
     if hybrid:
         from fragsim.kv.hybrid import HybridKV
@@ -115,6 +155,6 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
             getattr(allocator, "prefix", None) is not None else None
         kv = HybridKV(allocator, resolution, keys)
     try:
-        return Engine(trace, kv, cost, config, progress=progress)
+        return Engine(trace, kv, cost, config, progress=progress, offload=offload)
     except ValueError as exc:
         raise FragsimError(str(exc)) from None

@@ -61,6 +61,12 @@ class RunSpec:
                                           # workload's fitted value, else DEFAULT_BEAM_THETA
     prefix_caching: bool = False
     system_prompt_len: int = 0            # tokens of one system prompt before every prompt
+    # A CPU tier below the GPU pool (vLLM's --kv-offloading-*; fragsim.offload.connector):
+    kv_offloading_size: float | None = None   # GiB of host memory, every GPU together; None: no tier
+    kv_offloading_policy: str = "lru"         # lru or arc
+    kv_offloading_block_size: int | None = None  # tokens per tier block; None: the GPU block size
+    kv_offloading_store_threshold: int = 1    # store a block once it was offered this many times
+    kv_offloading_prompt_only: bool = True    # store prompt blocks only
 
     @property
     def sharing(self) -> bool:

@@ -81,6 +81,7 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
         "mean_normalized_latency_s": float(np.mean(e2e[done] / out_len[done])) if done.any() else math.nan,
         "num_prefill_tokens": engine.num_prefill_tokens,
         **_sharing_summary(engine, means["free"], kv_keys),
+        **_offload_summary(engine, kv_bytes_per_token),
         "sim_time_s": span,
         "num_steps": engine.num_steps,
         "num_events": engine.num_events,
@@ -102,6 +103,23 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
         "num_preemptions": reqs.preemptions,
     })
     return summary, requests
+
+
+def _offload_summary(engine: Engine, kv_bytes_per_token: int) -> dict[str, Any]:
+    """The tiers below the GPU pool: vLLM's external prefix-cache counts (tokens), the
+    GPU slots held only for pending stores, and one entry per tier (empty without)."""
+    offload = engine.offload
+    cap = engine.capacity
+    held = engine.rec.mean_held()
+    tiers = [offload.summary()] if offload is not None else []
+    return {
+        "external_prefix_cache_queries": sum(t["queries_tokens"] for t in tiers),
+        "external_prefix_cache_hits": sum(t["hits_tokens"] for t in tiers),
+        "mean_store_pending_slots": held,
+        "store_pending_frac": held / cap if cap else 0.0,
+        "peak_store_pending_slots": engine.rec.peak_held(),
+        "tiers": tiers,
+    }
 
 
 def _sharing_summary(engine: Engine, mean_free: float, counts: dict[str, int]) -> dict[str, Any]:

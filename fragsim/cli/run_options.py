@@ -104,6 +104,19 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
                    help="reuse cached prompt blocks across requests (vLLM automatic prefix caching)")
     g.add_argument("--system-prompt-len", type=int, default=0, metavar="S",
                    help="prepend one shared S-token system prompt to every request (default 0)")
+    g = p.add_argument_group("offload tier (vLLM's OffloadingConnector, native backend)")
+    g.add_argument("--kv-offloading-size", type=positive_float, default=None, metavar="GIB",
+                   help="a CPU tier of GIB GiB below the GPU pool (all GPUs of the instance "
+                        "together, as vLLM counts it): prompt blocks are stored eagerly over the "
+                        "host link, and later requests load their hits from it (default: no tier)")
+    g.add_argument("--kv-offloading-policy", choices=("lru", "arc"), default="lru",
+                   help="the tier's eviction policy (default lru)")
+    g.add_argument("--kv-offloading-block-size", type=positive_int, default=None, metavar="TOKENS",
+                   help="tokens per tier block, a multiple of --block-size (default: --block-size)")
+    g.add_argument("--kv-offloading-store-threshold", type=positive_int, default=1, metavar="N",
+                   help="store a block only once it was offered N times (default 1: always)")
+    g.add_argument("--kv-offloading-prompt-only", action=argparse.BooleanOptionalAction, default=True,
+                   help="store prompt blocks only (default on; storing decode blocks is not modelled)")
     g = p.add_argument_group("cost model")
     g.add_argument("--cost-model", default="auto", metavar="NAME|FILE",
                    help="step times: auto (a fitted preset for the model and GPU if one exists, "
@@ -146,6 +159,11 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         beam_theta=getattr(args, "beam_theta", None),
         prefix_caching=getattr(args, "prefix_caching", False),
         system_prompt_len=getattr(args, "system_prompt_len", 0),
+        kv_offloading_size=getattr(args, "kv_offloading_size", None),
+        kv_offloading_policy=getattr(args, "kv_offloading_policy", "lru"),
+        kv_offloading_block_size=getattr(args, "kv_offloading_block_size", None),
+        kv_offloading_store_threshold=getattr(args, "kv_offloading_store_threshold", 1),
+        kv_offloading_prompt_only=getattr(args, "kv_offloading_prompt_only", True),
     )
 
 

@@ -290,12 +290,17 @@ def command_line(study: Study, scale: float, min_requests: int | None = None,
 
 
 def _flat(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested summary keys (a hybrid run's ``by_kind``, ``by_row``) as columns
-    ``by_kind.<kind>.<key>``, so that a study's table is flat and comparable."""
+    """Nested summary keys (a hybrid run's ``by_kind``, ``by_row``; the ``tiers`` list,
+    by tier name) as columns ``by_kind.<kind>.<key>``, ``tiers.cpu.<key>``, so that a
+    study's table is flat and comparable."""
     out: dict[str, Any] = {}
     for key, value in summary.items():
         if isinstance(value, dict):
             out.update(_flat(value, f"{prefix}{key}."))
+        elif isinstance(value, list) and all(isinstance(v, dict) and "name" in v for v in value):
+            for entry in value:
+                out.update(_flat({k: v for k, v in entry.items() if k != "name"},
+                                 f"{prefix}{key}.{entry['name']}."))
         else:
             out[f"{prefix}{key}"] = value
     return out

@@ -1,0 +1,124 @@
+"""A CPU tier in the engine (fragsim.offload.connector): load and store times by hand,
+blocks held for pending stores, lookups after the GPU hit, the tier split at every
+step, and refusals by name."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from fragsim.errors import FragsimError
+from fragsim.simulate import RunSpec, make_engine, simulate
+from fragsim.traces import Trace
+from fragsim.traces.sessions import SessionSpec, make_sessions
+
+KV_BYTES = 131072            # llama-3.1-8b: 32 layers × 8 KV heads × 128 × 2 (K, V) × 2 bytes
+PCIE = 32e9                  # the a100-40gb preset's host link, B/s
+STEP = 0.02                  # fixed step time
+
+
+def spec(**kw: object) -> RunSpec:
+    base: dict[str, object] = dict(model="llama-3.1-8b", gpu="a100-40gb", max_seq_len=8192,
+                                   cost_model="fixed", step_time_s=STEP, kv_offloading_size=1.0)
+    base.update(kw)
+    return RunSpec(**base)  # type: ignore[arg-type]
+
+
+def same_prompt_twice(gap_s: float, output: int = 1) -> Trace:
+    """Two requests with one 1,024-token prompt (two 512-token content blocks)."""
+    return Trace("twice", "test", np.array([0.0, gap_s]), np.array([1024, 1024]), np.array([output, output]),
+                 block_hashes=[(7, 8), (7, 8)], block_hash_size=512)
+
+
+def test_a_hit_loads_over_the_host_link_and_the_prompt_was_stored_by_bytes_over_bandwidth() -> None:
+    engine = make_engine(same_prompt_twice(5.0), "vllm", spec(), check=True)
+    engine.run()
+    tier = engine.offload.summary()  # type: ignore[union-attr]
+    store_s = 1024 * KV_BYTES / PCIE          # 64 blocks of 16 tokens, the first request's prompt
+    load_s = 1008 * KV_BYTES / PCIE           # all but the last block: one token is always computed
+    assert tier["store_time_s"] == pytest.approx(store_s)
+    assert tier["load_time_s"] == pytest.approx(load_s)
+    assert tier["hits_tokens"] == 1008
+    assert tier["store_bytes"] == 1024 * KV_BYTES and tier["load_bytes"] == 1008 * KV_BYTES
+    reqs = engine.requests
+    ttft = reqs.first_token - reqs.arrival
+    assert ttft[0] == pytest.approx(STEP)
+    # The second request waits for its load, then computes its last 16 tokens in one step.
+    assert ttft[1] == pytest.approx(load_s + STEP)
+    assert engine.num_prefill_tokens == 1024 + 16
+
+
+def test_a_finished_request_holds_its_blocks_until_its_stores_land() -> None:
+    engine = make_engine(same_prompt_twice(5.0), "vllm", spec(), check=True)
+    engine.run()
+    store_s = 1024 * KV_BYTES / PCIE
+    # The first request finishes with its prefill (one output token); its 65 blocks
+    # hold 1,025 tokens, 15 slots of the last one never filled (internal).
+    assert engine.rec.peak_held() == 1025
+    assert engine.rec.mean_held() * engine.rec.span_s == pytest.approx(1025 * store_s)
+    assert engine.requests.finish[0] == pytest.approx(STEP)  # it finished; its memory lingered
+
+
+def test_the_tier_is_asked_only_past_the_gpu_hit() -> None:
+    # The GPU still caches the prompt when the second request comes: the tier is not needed.
+    engine = make_engine(same_prompt_twice(0.5), "vllm", spec(prefix_caching=True), check=True)
+    engine.run()
+    tier = engine.offload.summary()  # type: ignore[union-attr]
+    assert engine.num_prefix_hits == 1008
+    assert tier["hits_tokens"] == 0
+    assert tier["queries_tokens"] == 1024 + 16  # the first request's prompt, then the second's rest
+
+
+def test_without_a_tier_nothing_changes() -> None:
+    trace = make_sessions(SessionSpec(num_sessions=40, session_rate=4.0, system_prompt_len=600, seed=3)).trace
+    plain = simulate(trace, "vllm", spec(kv_offloading_size=None, prefix_caching=True)).summary
+    assert plain["tiers"] == [] and plain["store_pending_frac"] == 0.0
+    assert plain["external_prefix_cache_hits"] == 0
+
+
+@pytest.mark.parametrize(("policy", "prefix_caching", "short"),
+                         [("lru", False, False), ("arc", False, True), ("lru", True, True), ("arc", True, False)])
+def test_the_tier_split_holds_at_every_step_under_pressure(policy: str, prefix_caching: bool,
+                                                          short: bool) -> None:
+    trace = make_sessions(SessionSpec(num_sessions=40, session_rate=6.0, system_prompt_len=700, seed=5)).trace
+    if short:  # one-token answers: requests finish while their stores are in flight
+        trace = Trace(trace.name, trace.source, trace.arrival_s, trace.prompt_len,
+                      np.minimum(trace.output_len, 1), block_hashes=trace.block_hashes,
+                      block_hash_size=trace.block_hash_size)
+    # A small GPU pool (preemptions) and a tier of a few thousand tokens (evictions).
+    run = spec(kv_slots=6000, kv_offloading_size=0.25, kv_offloading_policy=policy,
+               kv_offloading_block_size=64, prefix_caching=prefix_caching)
+    result = simulate(trace, "vllm", run, check=True)
+    s = result.summary
+    tier = s["tiers"][0]
+    parts = ("cached_hit_later", "cached_never_hit", "write_pending", "read_pending", "chunk_tail", "free")
+    fracs = [tier[f"{p}_frac"] for p in parts]
+    assert min(fracs) >= 0 and math.fsum(fracs) == pytest.approx(1.0)
+    assert tier["evicted_blocks"] > 0 and tier["hits_tokens"] > 0
+    gpu = ("token_states", "reservation", "internal_fragmentation", "free", "store_pending")
+    assert math.fsum(s[f"{p}_frac"] for p in gpu) == pytest.approx(1.0)
+    assert s["num_finished"] + s["num_refused"] == len(trace)
+    assert s["num_preemptions"] > 0 or short
+    assert s["external_prefix_cache_hits"] == tier["hits_tokens"]
+    assert (s["peak_store_pending_slots"] > 0) == short
+
+
+@pytest.mark.parametrize(("allocator", "extra", "word"), [
+    ("vllm-hybrid", {}, "hybrid"),
+    ("orca-max", {}, "not paged"),
+    ("vllm", {"preemption": "swap"}, "swap"),
+    ("vllm", {"num_samples": 2}, "sampling"),
+])
+def test_what_a_tier_cannot_run_with_is_refused_by_name(allocator: str, extra: dict[str, object],
+                                                        word: str) -> None:
+    with pytest.raises(FragsimError, match=word):
+        make_engine(same_prompt_twice(1.0), allocator, spec(**extra))
+
+
+def test_a_tier_block_must_be_whole_gpu_blocks() -> None:
+    with pytest.raises(FragsimError, match="multiple of the GPU block size 16"):
+        make_engine(same_prompt_twice(1.0), "vllm", spec(kv_offloading_block_size=24))
+    with pytest.raises(FragsimError, match="holds no block"):
+        make_engine(same_prompt_twice(1.0), "vllm", spec(kv_offloading_size=1e-6))
