@@ -71,11 +71,12 @@ def make_allocator(name: str, capacity: int, spec: RunSpec) -> Any:
         raise FragsimError(str(exc)) from None
 
 
-def make_offload(trace: Any, allocator_name: str, spec: RunSpec, model: Any, gpu: Any) -> Any:
+def make_offload(trace: Any, allocator_name: str, spec: RunSpec, model: Any, gpu: Any,
+                 gpu_keys: Any = None) -> Any:
     """The CPU tier a spec asks for (:mod:`fragsim.offload.connector`), or an error naming
     what it cannot run with."""
     from fragsim.allocators import PRESETS
-    from fragsim.offload.connector import OffloadConnector, OffloadSpec
+    from fragsim.offload.connector import DiskSpec, OffloadConnector, OffloadSpec
 
     placement = PRESETS[allocator_name][0] if allocator_name in PRESETS else allocator_name
     why = None
@@ -94,19 +95,30 @@ def make_offload(trace: Any, allocator_name: str, spec: RunSpec, model: Any, gpu
     if why is not None:
         raise FragsimError(f"--kv-offloading-size with allocator {allocator_name!r}: {why}")
     assert spec.kv_offloading_size is not None
+    disk = DiskSpec(spec.kv_offloading_disk_size, spec.kv_offloading_disk_read_gbps * 1e9,
+                    spec.kv_offloading_disk_write_gbps * 1e9, spec.kv_offloading_disk_threads) \
+        if spec.kv_offloading_disk_size is not None else None
     offload = OffloadSpec(spec.kv_offloading_size, spec.kv_offloading_policy,
                           spec.kv_offloading_block_size, spec.kv_offloading_store_threshold,
-                          spec.kv_offloading_prompt_only)
+                          spec.kv_offloading_prompt_only, spec.kv_offloading_backend, disk)
     try:
         connector = OffloadConnector(trace, offload, spec.block_size,
                                      model.kv_bytes_per_token_per_gpu(spec.tp), spec.tp,
-                                     gpu.pcie_bandwidth)
+                                     gpu.pcie_bandwidth, gpu_keys)
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
-    if connector.num_chunks < 1:
-        raise FragsimError(f"--kv-offloading-size {spec.kv_offloading_size:g} GiB holds no block of "
-                           f"{connector.chunk_bytes:,} bytes ({connector.chunk} tokens of every GPU)")
+    for level in connector.levels:
+        if level.num_chunks < 1:
+            size = spec.kv_offloading_size if level.name == "cpu" else spec.kv_offloading_disk_size
+            raise FragsimError(f"the {level.name} tier of {size:g} GiB holds no block of "
+                               f"{connector.chunk_bytes:,} bytes ({connector.chunk} tokens of every GPU)")
     return connector
+
+
+def _gpu_keys(kv: Any) -> Any:
+    """The GPU prefix cache's keys, where a dense KV manager has one."""
+    prefix = getattr(kv, "prefix", None)
+    return getattr(prefix, "_keys", None)
 
 
 def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
@@ -144,8 +156,6 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
         )
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
-    offload = make_offload(trace, allocator_name, spec, model, gpu) \
-        if spec.kv_offloading_size is not None else None
     kv: Any = allocator
     if hybrid:
         from fragsim.kv.hybrid import HybridKV
@@ -155,6 +165,10 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
             getattr(allocator, "prefix", None) is not None else None
         kv = HybridKV(allocator, resolution, keys)
     try:
-        return Engine(trace, kv, cost, config, progress=progress, offload=offload)
+        engine = Engine(trace, kv, cost, config, progress=progress)
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
+    if spec.kv_offloading_size is not None:
+        engine.offload = make_offload(trace, allocator_name, spec, model, gpu, _gpu_keys(engine.kv))
+        engine.offload.watch(getattr(engine.kv, "alloc", None))
+    return engine

@@ -67,6 +67,11 @@ class RunSpec:
     kv_offloading_block_size: int | None = None  # tokens per tier block; None: the GPU block size
     kv_offloading_store_threshold: int = 1    # store a block once it was offered this many times
     kv_offloading_prompt_only: bool = True    # store prompt blocks only
+    kv_offloading_backend: str = "native"     # native, lmcache (256-token chunks) or lazy
+    kv_offloading_disk_size: float | None = None  # GiB of disk below the CPU tier; None: none
+    kv_offloading_disk_read_gbps: float = 3.0     # GB/s, all I/O threads together
+    kv_offloading_disk_write_gbps: float = 2.0
+    kv_offloading_disk_threads: int = 4
 
     @property
     def sharing(self) -> bool:

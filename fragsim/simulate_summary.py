@@ -111,10 +111,10 @@ def _offload_summary(engine: Engine, kv_bytes_per_token: int) -> dict[str, Any]:
     offload = engine.offload
     cap = engine.capacity
     held = engine.rec.mean_held()
-    tiers = [offload.summary()] if offload is not None else []
+    tiers = offload.summary() if offload is not None else []
     return {
-        "external_prefix_cache_queries": sum(t["queries_tokens"] for t in tiers),
-        "external_prefix_cache_hits": sum(t["hits_tokens"] for t in tiers),
+        "external_prefix_cache_queries": offload.queries if offload is not None else 0,
+        "external_prefix_cache_hits": offload.hits if offload is not None else 0,
         "mean_store_pending_slots": held,
         "store_pending_frac": held / cap if cap else 0.0,
         "peak_store_pending_slots": engine.rec.peak_held(),

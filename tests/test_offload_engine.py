@@ -35,7 +35,7 @@ def same_prompt_twice(gap_s: float, output: int = 1) -> Trace:
 def test_a_hit_loads_over_the_host_link_and_the_prompt_was_stored_by_bytes_over_bandwidth() -> None:
     engine = make_engine(same_prompt_twice(5.0), "vllm", spec(), check=True)
     engine.run()
-    tier = engine.offload.summary()  # type: ignore[union-attr]
+    tier = engine.offload.summary()[0]  # type: ignore[union-attr]
     store_s = 1024 * KV_BYTES / PCIE          # 64 blocks of 16 tokens, the first request's prompt
     load_s = 1008 * KV_BYTES / PCIE           # all but the last block: one token is always computed
     assert tier["store_time_s"] == pytest.approx(store_s)
@@ -65,10 +65,10 @@ def test_the_tier_is_asked_only_past_the_gpu_hit() -> None:
     # The GPU still caches the prompt when the second request comes: the tier is not needed.
     engine = make_engine(same_prompt_twice(0.5), "vllm", spec(prefix_caching=True), check=True)
     engine.run()
-    tier = engine.offload.summary()  # type: ignore[union-attr]
+    tier = engine.offload.summary()[0]  # type: ignore[union-attr]
     assert engine.num_prefix_hits == 1008
     assert tier["hits_tokens"] == 0
-    assert tier["queries_tokens"] == 1024 + 16  # the first request's prompt, then the second's rest
+    assert engine.offload.queries == 1024 + 16  # type: ignore[union-attr]  # the first prompt, the second's rest
 
 
 def test_without_a_tier_nothing_changes() -> None:
@@ -78,10 +78,15 @@ def test_without_a_tier_nothing_changes() -> None:
     assert plain["external_prefix_cache_hits"] == 0
 
 
-@pytest.mark.parametrize(("policy", "prefix_caching", "short"),
-                         [("lru", False, False), ("arc", False, True), ("lru", True, True), ("arc", True, False)])
-def test_the_tier_split_holds_at_every_step_under_pressure(policy: str, prefix_caching: bool,
-                                                          short: bool) -> None:
+@pytest.mark.parametrize(("policy", "prefix_caching", "short", "backend", "disk"), [
+    ("lru", False, False, "native", None),
+    ("arc", False, True, "native", None),
+    ("lru", True, True, "lmcache", 0.5),
+    ("arc", True, False, "lazy", 0.5),
+    ("lru", True, False, "native", 0.5),
+])
+def test_the_tier_split_holds_at_every_step_under_pressure(policy: str, prefix_caching: bool, short: bool,
+                                                          backend: str, disk: float | None) -> None:
     trace = make_sessions(SessionSpec(num_sessions=40, session_rate=6.0, system_prompt_len=700, seed=5)).trace
     if short:  # one-token answers: requests finish while their stores are in flight
         trace = Trace(trace.name, trace.source, trace.arrival_s, trace.prompt_len,
@@ -89,20 +94,24 @@ def test_the_tier_split_holds_at_every_step_under_pressure(policy: str, prefix_c
                       block_hash_size=trace.block_hash_size)
     # A small GPU pool (preemptions) and a tier of a few thousand tokens (evictions).
     run = spec(kv_slots=6000, kv_offloading_size=0.25, kv_offloading_policy=policy,
-               kv_offloading_block_size=64, prefix_caching=prefix_caching)
+               kv_offloading_block_size=64 if backend == "native" else None, prefix_caching=prefix_caching,
+               kv_offloading_backend=backend, kv_offloading_disk_size=disk)
     result = simulate(trace, "vllm", run, check=True)
     s = result.summary
-    tier = s["tiers"][0]
+    assert len(s["tiers"]) == (2 if disk else 1)
     parts = ("cached_hit_later", "cached_never_hit", "write_pending", "read_pending", "chunk_tail", "free")
-    fracs = [tier[f"{p}_frac"] for p in parts]
-    assert min(fracs) >= 0 and math.fsum(fracs) == pytest.approx(1.0)
+    for tier in s["tiers"]:
+        fracs = [tier[f"{p}_frac"] for p in parts]
+        assert min(fracs) >= -1e-12 and math.fsum(fracs) == pytest.approx(1.0)
+        assert (tier["chunk_tail_frac"] > 0) == (backend == "lmcache")
+    tier = s["tiers"][0]
     assert tier["evicted_blocks"] > 0 and tier["hits_tokens"] > 0
+    assert s["external_prefix_cache_hits"] == sum(t["hits_tokens"] for t in s["tiers"])
     gpu = ("token_states", "reservation", "internal_fragmentation", "free", "store_pending")
     assert math.fsum(s[f"{p}_frac"] for p in gpu) == pytest.approx(1.0)
     assert s["num_finished"] + s["num_refused"] == len(trace)
     assert s["num_preemptions"] > 0 or short
-    assert s["external_prefix_cache_hits"] == tier["hits_tokens"]
-    assert (s["peak_store_pending_slots"] > 0) == short
+    assert (s["peak_store_pending_slots"] > 0) == (short and backend != "lazy")
 
 
 @pytest.mark.parametrize(("allocator", "extra", "word"), [
@@ -122,3 +131,60 @@ def test_a_tier_block_must_be_whole_gpu_blocks() -> None:
         make_engine(same_prompt_twice(1.0), "vllm", spec(kv_offloading_block_size=24))
     with pytest.raises(FragsimError, match="holds no block"):
         make_engine(same_prompt_twice(1.0), "vllm", spec(kv_offloading_size=1e-6))
+
+
+def three(prompts: list[tuple[int, tuple[int, ...]]], gap_s: float = 5.0) -> Trace:
+    """Requests ``gap_s`` apart, one output token each."""
+    n = len(prompts)
+    return Trace("three", "test", np.arange(n) * gap_s, np.array([p for p, _ in prompts]),
+                 np.ones(n, dtype=np.int64), block_hashes=[h for _, h in prompts], block_hash_size=512)
+
+
+def test_a_disk_hit_is_read_by_an_io_thread_then_crosses_the_host_link() -> None:
+    # The CPU tier holds one prompt (64 blocks); the second prompt evicts the first,
+    # which the third request then finds on disk only.
+    cpu_gib = 64 * 16 * KV_BYTES / 2**30
+    run = spec(kv_offloading_size=cpu_gib, kv_offloading_disk_size=1.0, kv_offloading_disk_threads=4,
+               kv_offloading_disk_read_gbps=3.0)
+    engine = make_engine(three([(1024, (7, 8)), (1024, (9, 10)), (1024, (7, 8))]), "vllm", run, check=True)
+    engine.run()
+    cpu, disk = engine.offload.summary()  # type: ignore[union-attr]
+    assert cpu["hits_tokens"] == 0 and disk["hits_tokens"] == 1008
+    # The third request then stores its last block, the one it computed: one more
+    # eviction; the run ends before that block is written through to disk.
+    assert cpu["evicted_blocks"] == 65 and disk["stored_blocks"] == 128
+    read_s = 1008 * KV_BYTES * 4 / 3e9      # one of four I/O threads: a quarter of 3 GB/s
+    link_s = 1008 * KV_BYTES / PCIE
+    ttft = engine.requests.first_token - engine.requests.arrival
+    assert ttft[2] == pytest.approx(read_s + link_s + STEP)
+    assert disk["load_time_s"] == pytest.approx(read_s + link_s)
+    assert disk["store_time_s"] == pytest.approx(2 * 1024 * KV_BYTES * 4 / 2e9)
+
+
+def test_lmcache_stores_the_partial_last_chunk_and_counts_its_tail() -> None:
+    run = spec(kv_offloading_backend="lmcache")
+    engine = make_engine(three([(1000, (7, 8)), (1000, (7, 8))]), "vllm", run, check=True)
+    engine.run()
+    (cpu,) = engine.offload.summary()  # type: ignore[union-attr]
+    assert cpu["block_size"] == 256 and cpu["stored_blocks"] == 4  # 3 whole chunks and a 232-token tail
+    assert cpu["hits_tokens"] == 992          # the tail too, up to the last whole GPU block
+    assert cpu["store_bytes"] == 1000 * KV_BYTES
+    assert cpu["chunk_tail_frac"] > 0
+    # a chunk slot holds 256 tokens: the tail's 24 unused ones are 24/1024 of the used slots
+    used = 1 - cpu["free_frac"]
+    assert cpu["chunk_tail_frac"] / used == pytest.approx(24 / 1024)
+
+
+def test_lazy_stores_what_the_gpu_prefix_cache_evicts() -> None:
+    # 68 GPU blocks. The first request frees its blocks tail first (as vLLM does), so
+    # the second prompt's 65 blocks are the 3 never used, the first's partial block and
+    # its cached blocks 63 down to 3: those 61 go to the tier. The third request hits
+    # blocks 0-2 on the GPU and 3-62 in the tier (one token is always computed).
+    run = spec(kv_offloading_backend="lazy", prefix_caching=True, kv_slots=68 * 16)
+    engine = make_engine(three([(1024, (7, 8)), (1024, (9, 10)), (1024, (7, 8))]), "vllm", run, check=True)
+    engine.run()
+    (cpu,) = engine.offload.summary()  # type: ignore[union-attr]
+    assert engine.num_prefix_hits == 3 * 16
+    assert cpu["hits_tokens"] == 60 * 16
+    with pytest.raises(FragsimError, match="needs --prefix-caching"):
+        make_engine(three([(1024, (7, 8))]), "vllm", spec(kv_offloading_backend="lazy"))

@@ -46,7 +46,7 @@ so physical slots in use = Σ_seq num_owned(seq) − num_shared_slots().
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 from fragsim.allocators.base import AllocatorCore, BlockTable, new_block_table, whole_blocks
 
@@ -81,6 +81,9 @@ class SharedPagedAllocator(AllocatorCore):
         self._num_dup = 0
         self._num_evictable = 0
         self._copies: list[tuple[int, int]] = []
+        #: called with the keys of cached blocks as they are evicted (an offload tier's lazy
+        #: stores); None: nobody listens
+        self.on_evict: Callable[[list[Hashable]], None] | None = None
 
     # -- the free queue ------------------------------------------------------------
 
@@ -88,6 +91,7 @@ class SharedPagedAllocator(AllocatorCore):
         """``count`` blocks from the head of the free queue, evicting their keys."""
         free, key_of, ref = self._free, self._key_of, self._ref
         out = []
+        evicted: list[Hashable] | None = [] if self.on_evict is not None else None
         for _ in range(count):
             block, _ = free.popitem(last=False)
             key = key_of.pop(block, None)
@@ -95,8 +99,12 @@ class SharedPagedAllocator(AllocatorCore):
                 del self._cache[key]
                 self._num_evictable -= 1
                 self.num_evictions += 1
+                if evicted is not None:
+                    evicted.append(key)
             ref[block] = 1
             out.append(block)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
         return out
 
     def _acquire(self, block: int) -> None:

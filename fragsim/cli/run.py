@@ -89,19 +89,29 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=main)
 
 
-def tier_note(s: dict[str, Any], t: dict[str, Any]) -> str:
-    """One line on an offload tier: its hits, its blocks, where its bytes went, its link."""
-    rate = t["hits_tokens"] / t["queries_tokens"] if t["queries_tokens"] else 0.0
-    flight = t["write_pending_frac"] + t["read_pending_frac"]
-    return (f"{s['allocator']}: {t['name']} tier {t['capacity_bytes'] / 2**30:,.2f} GiB "
-            f"({t['policy']}, {t['block_size']}-token blocks): hit {rate:.1%} of the "
-            f"{t['queries_tokens']:,} prompt tokens past the GPU hit; stored {t['stored_blocks']:,} "
-            f"blocks, evicted {t['evicted_blocks']:,}, {t['failed_stores']:,} stores refused; its "
-            f"bytes: {t['cached_hit_later_frac']:.1%} cached then hit, {t['cached_never_hit_frac']:.1%} "
-            f"never hit again, {flight:.1%} in flight, {t['free_frac']:.1%} free; link: "
-            f"{t['load_bytes'] / 1e9:,.1f} GB loaded in {t['load_time_s']:,.2f} s, "
-            f"{t['store_bytes'] / 1e9:,.1f} GB stored in {t['store_time_s']:,.2f} s; GPU blocks held "
-            f"for stores {s['store_pending_frac']:.2%} of the pool")
+def tier_notes(s: dict[str, Any]) -> list[str]:
+    """Lines on a run's offload tiers: hits past the GPU, then each tier's blocks, where
+    its bytes went and what it moved."""
+    tiers = s.get("tiers") or []
+    if not tiers:
+        return []
+    queries, hits = s["external_prefix_cache_queries"], s["external_prefix_cache_hits"]
+    out = [f"{s['allocator']}: offload ({tiers[0]['backend']}) hit {hits / queries if queries else 0.0:.1%} "
+           f"of the {queries:,} prompt tokens past the GPU hit, mean load wait "
+           f"{1000 * tiers[0]['mean_load_wait_s']:,.1f} ms; GPU blocks held for stores "
+           f"{s['store_pending_frac']:.2%} of the pool"]
+    for t in tiers:
+        flight = t["write_pending_frac"] + t["read_pending_frac"]
+        tails = f", {t['chunk_tail_frac']:.1%} chunk tails" if t["chunk_tail_frac"] else ""
+        out.append(
+            f"  {t['name']} {t['capacity_bytes'] / 2**30:,.2f} GiB ({t['policy']}, {t['block_size']}-token "
+            f"blocks): {t['hits_tokens']:,} tokens hit; stored {t['stored_blocks']:,} blocks, evicted "
+            f"{t['evicted_blocks']:,}, {t['failed_stores']:,} stores refused; its bytes: "
+            f"{t['cached_hit_later_frac']:.1%} cached then hit, {t['cached_never_hit_frac']:.1%} never hit "
+            f"again, {flight:.1%} in flight{tails}, {t['free_frac']:.1%} free; loads "
+            f"{t['load_bytes'] / 1e9:,.1f} GB ({t['load_time_s']:,.2f} s), stores "
+            f"{t['store_bytes'] / 1e9:,.1f} GB ({t['store_time_s']:,.2f} s)")
+    return out
 
 
 def main(args: argparse.Namespace) -> int:
@@ -186,8 +196,7 @@ def main(args: argparse.Namespace) -> int:
                          f"prefix cache hit {s['prefix_cache_hit_rate']:.1%} "
                          f"({s['prefix_cache_hits']:,} of {s['prefix_cache_queries']:,} tokens); "
                          f"{s['num_prefill_tokens']:,} prompt tokens computed")
-        for t in s.get("tiers") or ():
-            notes.append(tier_note(s, t))
+        notes += tier_notes(s)
         if s["vmm_tokens_per_page"]:
             notes.append(f"{s['allocator']}: {s['vmm_tokens_per_page']} tokens a page; page tails hold "
                          f"nothing: {s['page_tail_bytes'] / 2**20:,.1f} MiB of the pool")

@@ -117,6 +117,18 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
                    help="store a block only once it was offered N times (default 1: always)")
     g.add_argument("--kv-offloading-prompt-only", action=argparse.BooleanOptionalAction, default=True,
                    help="store prompt blocks only (default on; storing decode blocks is not modelled)")
+    g.add_argument("--kv-offloading-backend", choices=("native", "lmcache", "lazy"), default="native",
+                   help="native: vLLM's eager stores of whole blocks; lmcache: LMCache-style 256-token "
+                        "chunks under LRU, the partial last chunk stored too; lazy: a block is stored "
+                        "when the GPU prefix cache evicts it (needs --prefix-caching) (default native)")
+    g.add_argument("--kv-offloading-disk-size", type=positive_float, default=None, metavar="GIB",
+                   help="a disk tier of GIB GiB below the CPU tier, written through (default: none)")
+    g.add_argument("--kv-offloading-disk-read-gbps", type=positive_float, default=3.0, metavar="GB/S",
+                   help="the disk's read bandwidth, all I/O threads together (default 3)")
+    g.add_argument("--kv-offloading-disk-write-gbps", type=positive_float, default=2.0, metavar="GB/S",
+                   help="the disk's write bandwidth (default 2)")
+    g.add_argument("--kv-offloading-disk-threads", type=positive_int, default=4, metavar="N",
+                   help="disk I/O threads: N jobs at once, each at 1/N of the bandwidth (default 4)")
     g = p.add_argument_group("cost model")
     g.add_argument("--cost-model", default="auto", metavar="NAME|FILE",
                    help="step times: auto (a fitted preset for the model and GPU if one exists, "
@@ -164,6 +176,11 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         kv_offloading_block_size=getattr(args, "kv_offloading_block_size", None),
         kv_offloading_store_threshold=getattr(args, "kv_offloading_store_threshold", 1),
         kv_offloading_prompt_only=getattr(args, "kv_offloading_prompt_only", True),
+        kv_offloading_backend=getattr(args, "kv_offloading_backend", "native"),
+        kv_offloading_disk_size=getattr(args, "kv_offloading_disk_size", None),
+        kv_offloading_disk_read_gbps=getattr(args, "kv_offloading_disk_read_gbps", 3.0),
+        kv_offloading_disk_write_gbps=getattr(args, "kv_offloading_disk_write_gbps", 2.0),
+        kv_offloading_disk_threads=getattr(args, "kv_offloading_disk_threads", 4),
     )
 
 

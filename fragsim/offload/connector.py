@@ -1,31 +1,51 @@
-"""A CPU tier under the GPU pool, in time: vLLM 0.33's ``OffloadingConnector`` in the engine.
+"""Tiers under the GPU pool, in time: vLLM 0.33's ``OffloadingConnector`` in the engine.
 
 The engine (:mod:`fragsim.engine`) calls it where vLLM's scheduler calls the
 connector's scheduler side (``vllm/distributed/kv_transfer/kv_connector/v1/offloading/``):
 
 =======================  =================================================================
-admission                after the GPU prefix-cache hit, :meth:`lookup` walks the request's
-                         prompt chunks from the first one the GPU did not hit until the
-                         first miss; the run of ready chunks is loaded (pinned in the tier)
-                         into the blocks the admission placed. The request waits, holding
-                         them, until the load lands (``WAITING_FOR_REMOTE_KVS``), then its
-                         prefill starts after the loaded tokens. One token is always
-                         computed, as for GPU hits.
-end of a step            :meth:`store` offers the prompt chunks the step completed (eager
-                         stores, prompt only); the tier takes them all or none, evicting
-                         idle chunks by its policy, never one being read or written.
-a request finishes       its GPU blocks stay held (:meth:`hold`) until its stores land
-start of a step          :meth:`poll`: transfers that ended by now complete; loaded
-                         requests may run; held blocks are freed
+admission                after the GPU prefix-cache hit, :meth:`~OffloadConnector.lookup`
+                         walks the request's prompt chunks from the first one the GPU did
+                         not hit until the first chunk no tier has ready; that run is loaded
+                         (pinned in its tier) into the blocks the admission placed. The
+                         request waits, holding them, until every load lands
+                         (``WAITING_FOR_REMOTE_KVS``), then its prefill starts after the
+                         loaded tokens. One token is always computed, as for GPU hits.
+end of a step            :meth:`~OffloadConnector.store` offers the prompt chunks the step
+                         completed (eager stores, prompt only); the CPU tier takes them all
+                         or none, evicting idle chunks by its policy, never one being read
+                         or written.
+a request finishes       its GPU blocks stay held until its stores land
+start of a step          :meth:`~OffloadConnector.poll`: transfers that ended by now
+                         complete; loaded requests may run; held blocks are freed
 =======================  =================================================================
 
-Transfers go over the host link, one SimPy resource per GPU link (loads and stores
-queue for it first come, first served): a transfer of ``n`` tokens takes
-``n × kv_bytes_per_token_per_gpu / bandwidth`` seconds once it holds the link. A
-transfer's end is known once it holds the link, so :meth:`poll` decides by time,
-whatever order SimPy runs same-time events in.
+Backends (``--kv-offloading-backend``)
+    ``native``  vLLM's own: eager stores of whole chunks (``--kv-offloading-block-size``).
+    ``lmcache`` LMCache-style: 256-token chunks under LRU, and a prompt's partial last
+                chunk is stored too, in a whole chunk slot: its unused tokens are *chunk
+                tails*. The partial chunk hits only a prompt of the same content and length.
+    ``lazy``    vLLM's simple CPU offload with ``lazy_offload``: nothing is stored
+                eagerly; a cached GPU block is copied to the tier when the GPU prefix
+                cache evicts it (needs ``--prefix-caching``; chunks are GPU blocks). A
+                block evicted in a stretch of decode steps is stored from the stretch's
+                start, and the GPU reuses the block at once.
 
-Where the tier's chunk slots go, integrated over time (:class:`TierSplit`, the
+A disk tier (``--kv-offloading-disk-size``) sits below the CPU tier, written through:
+every chunk that lands in the CPU tier is then written to disk (not pinned meanwhile).
+A lookup takes a chunk from the CPU tier if it is ready there, else from disk;
+a disk chunk is read into a bounce buffer and goes over the host link, and is not
+promoted into the CPU tier. Each tier evicts by its own policy.
+
+Transfers queue for SimPy resources, first come, first served: the host link (one
+per GPU; loads and stores share it; ``n`` tokens take ``n ×
+kv_bytes_per_token_per_gpu / pcie_bandwidth`` seconds) and the disk's I/O threads
+(``--kv-offloading-disk-threads`` jobs at once, each at that share of the read or
+write bandwidth). A transfer's end is known once its last phase holds its
+resource, so :meth:`~OffloadConnector.poll` decides by time, whatever order SimPy
+runs same-time events in.
+
+Where a tier's chunk slots go, integrated over time (:class:`TierSplit`, the
 ``*_frac`` keys of the tier's summary)::
 
     write_pending + read_pending + cached_hit_later + cached_never_hit + chunk_tail + free
@@ -34,43 +54,75 @@ Where the tier's chunk slots go, integrated over time (:class:`TierSplit`, the
 A resident chunk is *write pending* from its store until the write lands, *read
 pending* while a load reads it, *cached, hit later* while idle before a read that
 comes, *cached, never hit again* while idle after its last read (or with none),
-until evicted or the run ends. Only whole chunks are stored here, so chunk tails
-are 0 (a tier storing partial chunks would count their unused tokens there).
+until evicted or the run ends. A partial chunk's unused share of all of that is
+its *chunk tail*.
 
-What is not modelled here: decode-token stores (``prompt only`` is the only mode),
-load timeouts and a cap on loading requests, a disk tier below the CPU tier, and
-preemption while a load is in flight leaves the load running (its chunks are
-unpinned when it lands).
+Not modelled: decode-token stores (prompt only), load timeouts and a cap on
+loading requests, and a request preempted while loading leaves its load running
+(its chunks are unpinned when it lands).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import simpy
 
 from fragsim.offload.tier import WRITING, RequestAccess, Tier
-from fragsim.prefix import PrefixKeys
+from fragsim.prefix import KEY_STRIDE, PrefixKeys
 from fragsim.traces import Trace
 
 GIB = 2**30
+BACKENDS = ("native", "lmcache", "lazy")
+LMCACHE_CHUNK = 256
+#: keys of partial last chunks (lmcache) live above every key PrefixKeys makes
+_TAIL_KEYS = 1 << 62
+
+
+@dataclass(frozen=True)
+class DiskSpec:
+    """A disk tier below the CPU tier."""
+
+    size_gib: float
+    read_bandwidth: float = 3e9     # B/s, all threads together
+    write_bandwidth: float = 2e9
+    threads: int = 4
+    policy: str = "lru"
+
+    def check(self) -> None:
+        from fragsim.offload.policies import POLICIES
+
+        if not self.size_gib > 0:
+            raise ValueError(f"--kv-offloading-disk-size must be > 0 GiB, got {self.size_gib:g}")
+        for name, value in (("read", self.read_bandwidth), ("write", self.write_bandwidth)):
+            if not value > 0:
+                raise ValueError(f"--kv-offloading-disk-{name}-gbps must be > 0, got {value / 1e9:g}")
+        if self.threads < 1:
+            raise ValueError(f"--kv-offloading-disk-threads must be >= 1, got {self.threads}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"disk policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
 
 
 @dataclass(frozen=True)
 class OffloadSpec:
-    """A CPU tier as vLLM's options name it (``--kv-offloading-*``)."""
+    """Tiers as vLLM's options name them (``--kv-offloading-*``)."""
 
     size_gib: float
     policy: str = "lru"
-    block_size: int | None = None      # tokens per chunk; None: the GPU block size
+    block_size: int | None = None      # tokens per chunk; None: the backend's default
     store_threshold: int = 1
     prompt_only: bool = True
+    backend: str = "native"
+    disk: DiskSpec | None = None
 
     def check(self, gpu_block: int) -> None:
         from fragsim.offload.policies import POLICIES
 
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--kv-offloading-backend must be one of {', '.join(BACKENDS)}, "
+                             f"got {self.backend!r}")
         if not self.size_gib > 0:
             raise ValueError(f"--kv-offloading-size must be > 0 GiB, got {self.size_gib:g}")
         if self.policy not in POLICIES:
@@ -80,36 +132,49 @@ class OffloadSpec:
         if chunk < 1 or chunk % gpu_block:
             raise ValueError(f"--kv-offloading-block-size must be a multiple of the GPU block "
                              f"size {gpu_block}, got {chunk}")
+        if self.backend == "lazy" and chunk != gpu_block:
+            raise ValueError(f"the lazy backend stores GPU blocks as they are evicted: "
+                             f"--kv-offloading-block-size must be the GPU block size {gpu_block}, got {chunk}")
         if self.store_threshold < 1:
             raise ValueError(f"--kv-offloading-store-threshold must be >= 1, got {self.store_threshold}")
         if not self.prompt_only:
             raise ValueError("--no-kv-offloading-prompt-only: storing decode blocks is not "
                              "modelled yet; tiers store prompt blocks only")
+        if self.disk is not None:
+            self.disk.check()
 
     def chunk_tokens(self, gpu_block: int) -> int:
-        return self.block_size if self.block_size is not None else gpu_block
+        if self.block_size is not None:
+            return self.block_size
+        return LMCACHE_CHUNK if self.backend == "lmcache" else gpu_block
 
 
 @dataclass(eq=False)
 class Transfer:
-    """One job on the host link: ``tokens`` tokens of KV, ``seconds`` once it holds the link."""
+    """One job: phases run in order, each holding one resource for its seconds."""
 
-    kind: str                     # "load" (CPU to GPU) or "store" (GPU to CPU)
-    req: int
+    kind: str                                   # "load", "store" or "disk_write"
+    req: int                                    # -1: no request (lazy stores)
     keys: list[int]
     tokens: int
-    seconds: float
-    ready: float                  # when it may start
-    start: float | None = None    # when it took the link
-    end: float | None = None      # start + seconds, once it took the link
-    cancelled: bool = False       # a load whose request was preempted meanwhile
+    phases: list[tuple[simpy.Resource, float]]
+    ready: float                                # when it may start
+    level: Level | None = None                  # the tier it reads or writes
+    start: float | None = None                  # when its first phase took its resource
+    end: float | None = None                    # known once its last phase holds its resource
+    cancelled: bool = False                     # a load whose request was preempted meanwhile
+
+    @property
+    def seconds(self) -> float:
+        return sum(s for _, s in self.phases)
 
 
 @dataclass
 class _Residency:
-    """One chunk's stay in the tier, for the split."""
+    """One chunk's stay in a tier, for the split."""
 
     t_in: float
+    fill: float = 1.0                      # share of the chunk's tokens it holds
     t_ready: float | None = None
     read_total: float = 0.0
     read_since: float | None = None        # a read episode is open (readers > 0) since then
@@ -119,7 +184,7 @@ class _Residency:
 
 @dataclass
 class TierSplit:
-    """Chunk-seconds of each part of the tier (see the module docstring)."""
+    """Chunk-seconds of each part of a tier (see the module docstring)."""
 
     write_pending: float = 0.0
     read_pending: float = 0.0
@@ -128,15 +193,17 @@ class TierSplit:
     chunk_tail: float = 0.0
 
     def close(self, r: _Residency, t_out: float) -> None:
+        f = r.fill
+        self.chunk_tail += (1.0 - f) * (t_out - r.t_in)
         if r.t_ready is None:
-            self.write_pending += t_out - r.t_in
+            self.write_pending += f * (t_out - r.t_in)
             return
-        self.write_pending += r.t_ready - r.t_in
+        self.write_pending += f * (r.t_ready - r.t_in)
         read = r.read_total + (t_out - r.read_since if r.read_since is not None else 0.0)
         later = (r.last_read_start - r.t_ready - r.read_before_last) if r.last_read_start is not None else 0.0
-        self.read_pending += read
-        self.cached_hit_later += later
-        self.cached_never_hit += (t_out - r.t_ready) - read - later
+        self.read_pending += f * read
+        self.cached_hit_later += f * later
+        self.cached_never_hit += f * ((t_out - r.t_ready) - read - later)
 
     @property
     def used(self) -> float:
@@ -145,50 +212,185 @@ class TierSplit:
 
 
 @dataclass
-class TierStats:
-    """Counts over a run (tokens unless named otherwise)."""
-
-    queries: int = 0            # prompt tokens looked up past the GPU hit (vLLM: external queries)
-    hits: int = 0               # of which loaded from the tier
+class LevelStats:
+    hits: int = 0               # tokens loaded from this tier
     load_tokens: int = 0
     store_tokens: int = 0
-    load_time_s: float = 0.0    # time the link spent on loads
+    load_time_s: float = 0.0    # time its transfers held their resources
     store_time_s: float = 0.0
     failed_stores: int = 0
-    loads: list[float] = field(default_factory=list)  # each load's time from admission to landing
+
+
+class Level:
+    """One tier: its chunk slots (a :class:`~fragsim.offload.tier.Tier`), what each slot
+    has been doing (the split) and its counts."""
+
+    def __init__(self, name: str, num_chunks: int, policy: str, store_threshold: int,
+                 chunk_bytes: int) -> None:
+        self.name = name
+        self.tier = Tier(num_chunks, policy, store_threshold=store_threshold)
+        self.policy = policy
+        self.num_chunks = num_chunks
+        self.chunk_bytes = chunk_bytes
+        self.split = TierSplit()
+        self.stats = LevelStats()
+        self.resident: dict[int, _Residency] = {}
+        self.access: dict[int, RequestAccess] = {}
+
+    def ready(self, key: int) -> bool:
+        return self.tier.state.get(key, WRITING) != WRITING
+
+    def access_of(self, req: int, keys: Sequence[int]) -> RequestAccess:
+        """``req``'s dealings with this tier (-1: a store of no request, finished at once)."""
+        access = self.access.get(req) if req >= 0 else None
+        if access is None:
+            access = RequestAccess({key: i + 1 for i, key in enumerate(keys)})
+            if req >= 0:
+                self.access[req] = access
+        return access
+
+    def store(self, req: int, keys: list[int], fills: dict[int, float], now: float,
+              prompt_keys: Sequence[int]) -> list[int] | None:
+        """Offer ``keys``; the ones now being written, or None when the tier refused."""
+        access = self.access_of(req, prompt_keys)
+        result = self.tier.prepare_store(keys, access)
+        if req < 0:
+            self.tier.finish(access)
+        if result is None:
+            self.stats.failed_stores += 1
+            return None
+        for key in result.evicted:
+            self.split.close(self.resident.pop(key), now)
+        for key in result.stored:
+            self.resident[key] = _Residency(now, fills.get(key, 1.0))
+        return result.stored
+
+    def pin(self, req: int, keys: list[int], now: float, prompt_keys: Sequence[int]) -> None:
+        self.tier.prepare_load(keys, self.access_of(req, prompt_keys))
+        for key in keys:
+            r = self.resident[key]
+            if r.read_since is None:
+                r.read_before_last = r.read_total
+                r.read_since = r.last_read_start = now
+
+    def unpin(self, keys: list[int], t: float) -> None:
+        self.tier.complete_load(keys)
+        for key in keys:
+            if self.tier.state[key] == 0:
+                r = self.resident[key]
+                assert r.read_since is not None
+                r.read_total += t - r.read_since
+                r.read_since = None
+
+    def written(self, keys: list[int], t: float) -> None:
+        self.tier.complete_store(keys)
+        for key in keys:
+            r = self.resident.get(key)
+            if r is not None and r.t_ready is None:
+                r.t_ready = t
+
+    def finish(self, req: int) -> None:
+        access = self.access.pop(req, None)
+        if access is not None:
+            self.tier.finish(access)
+
+    def close(self, now: float) -> None:
+        for key in list(self.resident):
+            self.split.close(self.resident.pop(key), now)
+
+    def check(self) -> None:
+        tier = self.tier
+        state = tier.state
+        assert len(state) <= tier.num_chunks, (self.name, len(state), tier.num_chunks)
+        assert state.keys() == self.resident.keys(), f"{self.name}: tier and residency log drifted"
+        assert tier.num_idle == sum(1 for s in state.values() if s == 0)
+        assert tier.num_writing == sum(1 for s in state.values() if s == WRITING)
+        for key, s in state.items():
+            r = self.resident[key]
+            assert (s == WRITING) == (r.t_ready is None), f"{self.name} chunk {key}: write state drifted"
+            assert (s > 0) == (r.read_since is not None), f"{self.name} chunk {key}: read state drifted"
+
+    def summary(self, span: float, chunk: int, token_bytes: int) -> dict[str, Any]:
+        total = self.num_chunks * span
+        split = self.split
+        parts = {
+            "cached_hit_later": split.cached_hit_later,
+            "cached_never_hit": split.cached_never_hit,
+            "write_pending": split.write_pending,
+            "read_pending": split.read_pending,
+            "chunk_tail": split.chunk_tail,
+        }
+        fracs = {f"{k}_frac": (v / total if total > 0 else 0.0) for k, v in parts.items()}
+        fracs["free_frac"] = (total - split.used) / total if total > 0 else 1.0
+        s, c = self.stats, self.tier.counters
+        return {
+            "name": self.name,
+            "policy": self.policy,
+            "block_size": chunk,
+            "capacity_bytes": self.num_chunks * self.chunk_bytes,
+            "capacity_blocks": self.num_chunks,
+            "hits_tokens": s.hits,
+            "stored_blocks": c.stored,
+            "evicted_blocks": c.evicted,
+            "failed_stores": s.failed_stores,
+            "mean_used_bytes": (split.used / span * self.chunk_bytes) if span > 0 else 0.0,
+            **fracs,
+            "load_bytes": s.load_tokens * token_bytes,
+            "store_bytes": s.store_tokens * token_bytes,
+            "load_time_s": s.load_time_s,
+            "store_time_s": s.store_time_s,
+        }
 
 
 class OffloadConnector:
-    """One CPU tier and its host link, driven by the engine (see the module docstring)."""
-
-    name = "cpu"
+    """The tiers under one GPU pool and their links, driven by the engine (see the
+    module docstring)."""
 
     def __init__(self, trace: Trace, spec: OffloadSpec, gpu_block: int,
-                 kv_bytes_per_token_per_gpu: int, tp: int, bandwidth: float) -> None:
+                 kv_bytes_per_token_per_gpu: int, tp: int, bandwidth: float,
+                 gpu_keys: PrefixKeys | None = None) -> None:
         spec.check(gpu_block)
         if bandwidth <= 0:
             raise ValueError(f"host link bandwidth must be > 0 B/s, got {bandwidth}")
+        if spec.backend == "lazy" and gpu_keys is None:
+            raise ValueError("the lazy backend stores blocks the GPU prefix cache evicts: "
+                             "it needs --prefix-caching")
         self.spec = spec
+        self.backend = spec.backend
         self.gpu_block = gpu_block
         self.chunk = spec.chunk_tokens(gpu_block)
         self.token_bytes = kv_bytes_per_token_per_gpu * tp   # one token, every GPU of the instance
         self.chunk_bytes = self.chunk * self.token_bytes
-        self.num_chunks = int(spec.size_gib * GIB // self.chunk_bytes)
-        self.seconds_per_token = kv_bytes_per_token_per_gpu / bandwidth  # each GPU over its own link
-        self.tier = Tier(self.num_chunks, spec.policy, store_threshold=spec.store_threshold)
-        self.keys = PrefixKeys(trace, self.chunk)
-        self.stats = TierStats()
-        self.split = TierSplit()
-        self._resident: dict[int, _Residency] = {}
-        self._access: dict[int, RequestAccess] = {}
+        self.per_gpu_token_bytes = kv_bytes_per_token_per_gpu
+        self.link_seconds_per_token = kv_bytes_per_token_per_gpu / bandwidth  # each GPU, its own link
+        self.cpu = Level("cpu", int(spec.size_gib * GIB // self.chunk_bytes), spec.policy,
+                         spec.store_threshold, self.chunk_bytes)
+        self.levels = [self.cpu]
+        self.disk: Level | None = None
+        if spec.disk is not None:
+            self.disk = Level("disk", int(spec.disk.size_gib * GIB // self.chunk_bytes),
+                              spec.disk.policy, 1, self.chunk_bytes)
+            self.levels.append(self.disk)
+        # The lazy backend's keys are the GPU prefix cache's own (it stores what the GPU evicts).
+        self.keys = gpu_keys if spec.backend == "lazy" and gpu_keys is not None else PrefixKeys(trace, self.chunk)
+        self.queries = 0                             # tokens looked up past the GPU hit
+        self.hits = 0
+        self.loads: list[float] = []                 # each load's time from admission to landing
         self._next_store: dict[int, int] = {}        # req -> first chunk not yet offered
         self._pending_stores: dict[int, int] = {}    # req -> store jobs in flight
         self._held: dict[int, list[int]] = {}        # req -> sequences kept for its stores
-        self._loading: dict[int, Transfer] = {}      # req -> its load in flight
+        self._loading: dict[int, list[Transfer]] = {}  # req -> its loads in flight
         self._inflight: list[Transfer] = []
         self.env: simpy.Environment | None = None
         self.link: simpy.Resource | None = None
+        self.io: simpy.Resource | None = None
+        self.now = 0.0
         self.t_start = 0.0
+        self.t_end: float | None = None
+
+    @property
+    def num_chunks(self) -> int:
+        return self.cpu.num_chunks
 
     # ------------------------------------------------------------------ setup
 
@@ -196,7 +398,14 @@ class OffloadConnector:
         """Run on ``env`` (the engine's, made when it runs)."""
         self.env = env
         self.link = simpy.Resource(env, capacity=1)
-        self.t_start = float(env.now)
+        if self.spec.disk is not None:
+            self.io = simpy.Resource(env, capacity=self.spec.disk.threads)
+        self.now = self.t_start = float(env.now)
+
+    def watch(self, allocator: Any) -> None:
+        """The lazy backend: hear of every cached block the GPU allocator evicts."""
+        if self.backend == "lazy":
+            allocator.on_evict = self.store_evicted
 
     @property
     def busy(self) -> bool:
@@ -209,80 +418,109 @@ class OffloadConnector:
 
     # -------------------------------------------------------------- admission
 
-    def _access_of(self, req: int, prompt: int) -> RequestAccess:
-        access = self._access.get(req)
-        if access is None:
-            keys = self.keys.keys(req, prompt)
-            access = RequestAccess({key: i + 1 for i, key in enumerate(keys)})
-            self._access[req] = access
-        return access
+    def _prompt_keys(self, req: int, prompt: int) -> list[int]:
+        keys = self.keys.keys(req, prompt)
+        if self.backend == "lmcache" and prompt % self.chunk:
+            keys = [*keys, self._tail_key(keys, req, prompt)]
+        return keys
+
+    def _tail_key(self, keys: list[int], req: int, prompt: int) -> int:
+        """A partial last chunk's key: equal for prompts of equal content and length. A
+        prompt whose content hashes cover its end has a shared tail; otherwise its own."""
+        hashes = self.keys.hashes
+        covered = hashes is not None and len(hashes[req]) * self.keys.hash_size >= prompt
+        if not covered:
+            return _TAIL_KEYS + req * KEY_STRIDE + prompt % KEY_STRIDE
+        assert hashes is not None
+        return _TAIL_KEYS + (hash((tuple(hashes[req]), prompt)) & (_TAIL_KEYS - 1)) // 2
 
     def lookup(self, req: int, prompt: int, context: int, gpu_hit: int, now: float) -> int:
-        """Tokens found past the GPU hit (0: none); a hit starts their load, which the
+        """Tokens found past the GPU hit (0: none); a hit starts its loads, which the
         request waits for (:meth:`loading`)."""
-        keys = self.keys.keys(req, prompt)
-        access = self._access_of(req, prompt)
-        self._next_store.setdefault(req, gpu_hit // self.chunk)
+        self.now = now
+        keys = self._prompt_keys(req, prompt)
         first = gpu_hit // self.chunk
-        state = self.tier.state
-        hits = 0
+        self._next_store.setdefault(req, first)
+        self.queries += context - gpu_hit
+        source: list[Level] = []
         for key in keys[first:]:
-            if state.get(key, WRITING) == WRITING:
+            level = next((lv for lv in self.levels if lv.ready(key)), None)
+            if level is None:
                 break
-            hits += 1
-        self.stats.queries += context - gpu_hit
-        self.tier.counters.lookups += min(hits + 1, len(keys) - first)
-        limit = (context - 1) // self.gpu_block * self.gpu_block  # one token is always computed
-        tokens = min((first + hits) * self.chunk, limit) - gpu_hit
+            source.append(level)
+        for level in self.levels:
+            level.tier.counters.lookups += min(len(source) + 1, len(keys) - first)
+        limit = min((context - 1) // self.gpu_block * self.gpu_block, prompt)  # one token is computed
+        end = min(first * self.chunk + sum(self._chunk_len(i, prompt) for i in range(first, first + len(source))),
+                  limit)
+        tokens = end - gpu_hit
         if tokens <= 0:
             return 0
-        loaded = keys[first: -(-(gpu_hit + tokens) // self.chunk)]
-        self.tier.counters.hits += len(loaded)
-        self.tier.prepare_load(loaded, access)
-        for key in loaded:
-            r = self._resident[key]
-            if r.read_since is None:
-                r.read_before_last = r.read_total
-                r.read_since = r.last_read_start = now
-        self._next_store[req] = max(self._next_store[req], (gpu_hit + tokens) // self.chunk)
-        self.stats.hits += tokens
-        job = Transfer("load", req, loaded, tokens, tokens * self.seconds_per_token, now)
-        self._loading[req] = job
-        self._start(job)
+        jobs: list[Transfer] = []
+        for level in self.levels:
+            picked = [(i, keys[i]) for i, lv in enumerate(source, start=first)
+                      if lv is level and i * self.chunk < end]
+            if not picked:
+                continue
+            ks = [key for _, key in picked]
+            n = sum(min(end, i * self.chunk + self._chunk_len(i, prompt)) - max(gpu_hit, i * self.chunk)
+                    for i, _ in picked)
+            level.tier.counters.hits += len(ks)
+            level.pin(req, ks, now, keys)
+            level.stats.hits += n
+            phases = [(self._link(), n * self.link_seconds_per_token)]
+            if level is self.disk:
+                phases.insert(0, (self._io(), self._disk_seconds(n, read=True)))
+            job = Transfer("load", req, ks, n, phases, now, level)
+            jobs.append(job)
+        self._next_store[req] = max(self._next_store[req], end // self.chunk)
+        self.hits += tokens
+        self._loading[req] = jobs
+        for job in jobs:
+            self._start(job)
         return tokens
+
+    def _chunk_len(self, i: int, prompt: int) -> int:
+        return min(self.chunk, prompt - i * self.chunk)
 
     def loading(self, req: int) -> bool:
         return req in self._loading
 
     def cancel(self, req: int) -> None:
-        """``req`` was preempted while loading: its load runs on, unheeded."""
-        job = self._loading.pop(req, None)
-        if job is not None:
+        """``req`` was preempted while loading: its loads run on, unheeded."""
+        for job in self._loading.pop(req, ()):
             job.cancelled = True
 
     # ----------------------------------------------------------------- stores
 
     def store(self, req: int, prompt: int, computed: int, now: float) -> None:
         """Offer the prompt chunks the first ``computed`` tokens complete (end of a step)."""
-        full = min(computed, prompt) // self.chunk
+        if self.backend == "lazy":
+            return
+        keys = self._prompt_keys(req, prompt)
+        done = min(computed, prompt)
+        full = done // self.chunk if done < prompt else len(keys)  # lmcache: the tail at the end
         first = self._next_store.get(req, 0)
         if full <= first:
             return
         self._next_store[req] = full
-        keys = self.keys.keys(req, prompt)[first:full]
-        result = self.tier.prepare_store(keys, self._access_of(req, prompt))
-        if result is None:
-            self.stats.failed_stores += 1
+        offered = keys[first:full]
+        fills = {keys[i]: self._chunk_len(i, prompt) / self.chunk for i in range(first, full)}
+        stored = self.cpu.store(req, offered, fills, now, keys)
+        if not stored:
             return
-        for key in result.evicted:
-            self.split.close(self._resident.pop(key), now)
-        if not result.stored:
-            return
-        for key in result.stored:
-            self._resident[key] = _Residency(now)
-        tokens = len(result.stored) * self.chunk
+        tokens = sum(round(fills[key] * self.chunk) for key in stored)
         self._pending_stores[req] = self._pending_stores.get(req, 0) + 1
-        self._start(Transfer("store", req, result.stored, tokens, tokens * self.seconds_per_token, now))
+        self._start(Transfer("store", req, stored, tokens,
+                             [(self._link(), tokens * self.link_seconds_per_token)], now, self.cpu))
+
+    def store_evicted(self, keys: list[int]) -> None:
+        """The lazy backend: GPU blocks the prefix cache evicted now go to the CPU tier."""
+        stored = self.cpu.store(-1, keys, {}, self.now, keys)
+        if stored:
+            tokens = len(stored) * self.chunk
+            self._start(Transfer("store", -1, stored, tokens,
+                                 [(self._link(), tokens * self.link_seconds_per_token)], self.now, self.cpu))
 
     def must_hold(self, req: int) -> bool:
         """Whether ``req``'s GPU blocks must outlive it (its stores are in flight)."""
@@ -292,12 +530,13 @@ class OffloadConnector:
         self._held.setdefault(req, []).append(seq)
 
     def finish(self, req: int) -> None:
-        """``req`` finished: its accesses reach the tier's policy (vLLM 0.33 updates recency here)."""
-        access = self._access.pop(req, None)
-        if access is not None:
-            self.tier.finish(access)
+        """``req`` finished: its accesses reach each tier's policy (vLLM 0.33 updates
+        recency here)."""
+        for level in self.levels:
+            level.finish(req)
         self._next_store.pop(req, None)
-        self.keys.forget(req)
+        if self.backend != "lazy":  # the lazy backend's keys are the GPU cache's
+            self.keys.forget(req)
 
     def held_slots(self, kv: Any, final: Any) -> tuple[int, int]:
         """(tokens the held sequences store, slots only they hold). ``final``: each
@@ -319,24 +558,42 @@ class OffloadConnector:
 
     # -------------------------------------------------------------- transfers
 
+    def _link(self) -> simpy.Resource:
+        assert self.link is not None, "bind() the connector to the engine's environment first"
+        return self.link
+
+    def _io(self) -> simpy.Resource:
+        assert self.io is not None and self.spec.disk is not None
+        return self.io
+
+    def _disk_seconds(self, tokens: int, read: bool) -> float:
+        disk = self.spec.disk
+        assert disk is not None
+        bandwidth = disk.read_bandwidth if read else disk.write_bandwidth
+        return tokens * self.token_bytes * disk.threads / bandwidth  # one thread's share
+
     def _start(self, job: Transfer) -> None:
         assert self.env is not None, "bind() the connector to the engine's environment first"
         self._inflight.append(job)
         self.env.process(self._run(job))
 
     def _run(self, job: Transfer) -> Generator[simpy.Event, Any, None]:
-        env, link = self.env, self.link
-        assert env is not None and link is not None
+        env = self.env
+        assert env is not None
         if job.ready > env.now:
             yield env.timeout(job.ready - env.now)
-        with link.request() as turn:
-            yield turn
-            job.start = float(env.now)
-            job.end = job.start + job.seconds
-            yield env.timeout(job.seconds)
+        last = len(job.phases) - 1
+        for i, (resource, seconds) in enumerate(job.phases):
+            with resource.request() as turn:
+                yield turn
+                if job.start is None:
+                    job.start = float(env.now)
+                if i == last:
+                    job.end = float(env.now) + seconds
+                yield env.timeout(seconds)
 
     def next_done(self) -> float | None:
-        """The earliest time a transfer in flight lands (None: nothing in flight)."""
+        """The earliest time a transfer in flight may land (None: nothing in flight)."""
         ends = [job.end for job in self._inflight if job.end is not None]
         if ends:
             return min(ends)
@@ -344,37 +601,39 @@ class OffloadConnector:
         return min(waits) if waits else None
 
     def poll(self, now: float, free: Callable[[int], Any]) -> tuple[list[int], bool]:
-        """Complete the transfers that landed by ``now``: returns the requests whose load
-        landed, and whether held blocks were freed (``free``: the KV manager's)."""
+        """Complete the transfers that landed by ``now``: returns the requests whose loads
+        all landed, and whether held blocks were freed (``free``: the KV manager's)."""
+        self.now = now
         landed = [job for job in self._inflight if job.end is not None and job.end <= now]
         if not landed:
             return [], False
-        self._inflight = [job for job in self._inflight if not (job.end is not None and job.end <= now)]
+        gone = set(map(id, landed))
+        self._inflight = [job for job in self._inflight if id(job) not in gone]
         ready: list[int] = []
         freed = False
-        stats, tier = self.stats, self.tier
         for job in sorted(landed, key=lambda j: (j.end, j.start)):
-            assert job.end is not None and job.start is not None
+            assert job.end is not None and job.level is not None
+            level = job.level
             if job.kind == "load":
-                stats.load_tokens += job.tokens
-                stats.load_time_s += job.seconds
-                tier.complete_load(job.keys)
-                for key in job.keys:
-                    if tier.state[key] == 0:
-                        r = self._resident[key]
-                        assert r.read_since is not None
-                        r.read_total += job.end - r.read_since
-                        r.read_since = None
-                if not job.cancelled:
+                level.stats.load_tokens += job.tokens
+                level.stats.load_time_s += job.seconds
+                level.unpin(job.keys, job.end)
+                if job.cancelled:
+                    continue
+                waiting = self._loading[job.req]
+                waiting.remove(job)
+                if not waiting:
                     del self._loading[job.req]
-                    stats.loads.append(job.end - job.ready)
+                    self.loads.append(job.end - job.ready)
                     ready.append(job.req)
                 continue
-            stats.store_tokens += job.tokens
-            stats.store_time_s += job.seconds
-            tier.complete_store(job.keys)
-            for key in job.keys:
-                self._resident[key].t_ready = job.end
+            level.stats.store_tokens += job.tokens
+            level.stats.store_time_s += job.seconds
+            level.written(job.keys, job.end)
+            if job.kind == "store" and self.disk is not None:
+                self._write_through(job)
+            if job.kind != "store" or job.req < 0:
+                continue
             left = self._pending_stores[job.req] - 1
             if left:
                 self._pending_stores[job.req] = left
@@ -385,60 +644,43 @@ class OffloadConnector:
                 freed = True
         return ready, freed
 
+    def _write_through(self, job: Transfer) -> None:
+        """Chunks that landed in the CPU tier are written on to disk."""
+        disk = self.disk
+        assert disk is not None and job.end is not None
+        keys = [key for key in job.keys if key in self.cpu.tier.state]
+        req = job.req if job.req >= 0 and job.req in self.cpu.access else -1
+        prompt_keys = list(self.cpu.access[req].positions) if req >= 0 else keys
+        fills = {key: self.cpu.resident[key].fill for key in keys}
+        stored = disk.store(req, keys, fills, job.end, prompt_keys)
+        if stored:
+            tokens = sum(round(fills[key] * self.chunk) for key in stored)
+            self._start(Transfer("disk_write", job.req, stored, tokens,
+                                 [(self._io(), self._disk_seconds(tokens, read=False))], job.end, disk))
+
     # ---------------------------------------------------------------- results
 
     def check(self) -> None:
-        """The tier's states against the residency log and its own counts."""
-        tier = self.tier
-        state = tier.state
-        assert len(state) <= tier.num_chunks, (len(state), tier.num_chunks)
-        assert state.keys() == self._resident.keys(), "tier and residency log drifted"
-        assert tier.num_idle == sum(1 for s in state.values() if s == 0)
-        assert tier.num_writing == sum(1 for s in state.values() if s == WRITING)
-        for key, s in state.items():
-            r = self._resident[key]
-            assert (s == WRITING) == (r.t_ready is None), f"chunk {key}: write state drifted"
-            assert (s > 0) == (r.read_since is not None), f"chunk {key}: read state drifted"
+        """Each tier's states against its residency log and its own counts."""
+        for level in self.levels:
+            level.check()
         assert all(self._pending_stores.get(req, 0) > 0 for req in self._held), "held without stores"
 
     def close(self, now: float) -> None:
         """The run ended at ``now``: every stay still open ends there."""
-        for key in list(self._resident):
-            self.split.close(self._resident.pop(key), now)
+        for level in self.levels:
+            level.close(now)
         self.t_end = now
 
-    def summary(self) -> dict[str, Any]:
-        """The tier's entry of the run's ``tiers`` list."""
-        span = max(getattr(self, "t_end", self.t_start) - self.t_start, 0.0)
-        total = self.num_chunks * span
-        split = self.split
-        parts = {
-            "cached_hit_later": split.cached_hit_later,
-            "cached_never_hit": split.cached_never_hit,
-            "write_pending": split.write_pending,
-            "read_pending": split.read_pending,
-            "chunk_tail": split.chunk_tail,
-        }
-        fracs = {f"{k}_frac": (v / total if total > 0 else 0.0) for k, v in parts.items()}
-        fracs["free_frac"] = (total - split.used) / total if total > 0 else 1.0
-        s, c = self.stats, self.tier.counters
-        loads = sorted(s.loads)
-        return {
-            "name": self.name,
-            "policy": self.spec.policy,
-            "block_size": self.chunk,
-            "capacity_bytes": self.num_chunks * self.chunk_bytes,
-            "capacity_blocks": self.num_chunks,
-            "hits_tokens": s.hits,
-            "queries_tokens": s.queries,
-            "stored_blocks": c.stored,
-            "evicted_blocks": c.evicted,
-            "failed_stores": s.failed_stores,
-            "mean_used_bytes": (split.used / span * self.chunk_bytes) if span > 0 else 0.0,
-            **fracs,
-            "load_bytes": s.load_tokens * self.token_bytes,
-            "store_bytes": s.store_tokens * self.token_bytes,
-            "load_time_s": s.load_time_s,
-            "store_time_s": s.store_time_s,
-            "mean_load_wait_s": sum(loads) / len(loads) if loads else 0.0,
-        }
+    def summary(self) -> list[dict[str, Any]]:
+        """The run's ``tiers`` list, top tier first."""
+        span = max((self.t_end if self.t_end is not None else self.t_start) - self.t_start, 0.0)
+        out = []
+        for level in self.levels:
+            entry = level.summary(span, self.chunk, self.token_bytes)
+            entry["backend"] = self.backend
+            entry["queries_tokens"] = self.queries
+            out.append(entry)
+        loads = self.loads
+        out[0]["mean_load_wait_s"] = sum(loads) / len(loads) if loads else 0.0
+        return out
