@@ -193,7 +193,14 @@ class Engine:
     def admit_waiting(self) -> bool:
         """Admit FCFS, each request's sequences together and after its prefix-cache hit;
         True if the queue head is blocked (or the queue is empty)."""
-        cfg, kv, width, reqs = self.cfg, self.kv, self.width, self.requests
+        skipped: list[int] = []
+        try:
+            return self._admit(skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))  # back at the head, in their order
+
+    def _admit(self, skipped: list[int]) -> bool:
+        cfg, kv, width, reqs, offload = self.cfg, self.kv, self.width, self.requests, self.offload
         prefix = kv.prefix
         running = self.num_running()
         while self.waiting:
@@ -206,6 +213,10 @@ class Engine:
             context = prompt if width > 1 else prompt + int(reqs.generated[req])
             hit = prefix.lookup(req, prompt, context) if prefix is not None else None
             gpu_hit = hit.tokens if hit is not None else 0
+            if offload is not None and offload.probe(req, prompt, context, gpu_hit) is None:
+                # Part of its hit in a tier is still being written: vLLM skips it this step.
+                skipped.append(self.waiting.popleft())
+                continue
             tokens = kv.admission_tokens(prompt, int(reqs.output[req]), context)
             seqs = (req,) if width == 1 else (req, *range(self._next_seq, self._next_seq + width - 1))
             admitted = kv.admit(seqs, tokens, int(reqs.final[req]), prompt, hit)
@@ -226,8 +237,8 @@ class Engine:
                 self.num_prefix_queries += context
                 self.num_prefix_hits += done
                 reqs.cached[req] = done
-            if self.offload is not None:
-                p.loading = self.offload.lookup(req, prompt, context, done, self.now)
+            if offload is not None:
+                p.loading = offload.start_load(req, prompt, context, done, self.now)
                 if p.loading:
                     continue  # it waits for its load (vLLM: WAITING_FOR_REMOTE_KVS)
             chunk = min(self.budget, context - done)
@@ -246,9 +257,11 @@ class Engine:
         loaded = set(ready)
         for p in self.prefilling:
             if p.req in loaded:
-                p.done += p.loading
-                p.cached += p.loading
-                self.requests.cached[p.req] += p.loading
+                # A load of the whole request leaves its last token to compute (vLLM).
+                loaded_tokens = min(p.loading, p.target - 1 - p.done)
+                p.done += loaded_tokens
+                p.cached += loaded_tokens
+                self.requests.cached[p.req] += loaded_tokens
                 p.loading = 0
 
     def _step(self) -> float:

@@ -4,7 +4,8 @@ grow, where it goes, and when a swapped-out request comes back.
 The victim is the latest-arrived running request, all of its sequences, whether it
 decodes or is still prefilling. With ``preemption="swap"`` a lone decoding sequence
 moves to CPU swap space while that has room (its transfer adds to the step's
-time); otherwise the request is recomputed: it rejoins the queue's head and
+time; with a CPU offload tier, swap space is taken from the tier, one host pool);
+otherwise the request is recomputed: it rejoins the queue's head and
 re-prefills its prompt and every token generated so far (a group of samples or
 beams restarts from its prompt). Swapped requests resume, earliest first, each
 step before the queue is admitted. The engine (:mod:`fragsim.engine`) calls these
@@ -62,9 +63,7 @@ def requeue(engine: Engine, req: int, filled: int, held: int) -> None:
     cfg, reqs = engine.cfg, engine.requests
     reqs.preemptions[req] += 1
     c = engine.rec.counters
-    if (cfg.preemption == "swap" and filled > 0
-            and engine.swap_used + held <= cfg.swap_space_slots):
-        engine.swap_used += held
+    if cfg.preemption == "swap" and filled > 0 and _room_to_swap(engine, held):
         engine.swapped.append((req, filled, held))
         reqs.status[req] = SWAPPED
         c.num_preemptions_swap += 1
@@ -74,6 +73,17 @@ def requeue(engine: Engine, req: int, filled: int, held: int) -> None:
         engine.waiting.appendleft(req)
         c.num_preemptions_recompute += 1
     engine.freed = True
+
+
+def _room_to_swap(engine: Engine, held: int) -> bool:
+    """Take host memory for ``held`` slots: from the CPU offload tier when there is one
+    (one host pool), else from the swap space."""
+    if engine.offload is not None:
+        return engine.offload.swap_out(held, engine.now)
+    if engine.swap_used + held > engine.cfg.swap_space_slots:
+        return False
+    engine.swap_used += held
+    return True
 
 
 def resume_swapped(engine: Engine) -> None:
@@ -86,7 +96,10 @@ def resume_swapped(engine: Engine) -> None:
         if admitted is None:
             return
         engine.swapped.popleft()
-        engine.swap_used -= cpu_slots
+        if engine.offload is not None:
+            engine.offload.swap_in(cpu_slots, engine.now)
+        else:
+            engine.swap_used -= cpu_slots
         engine.batch.add(req, filled, engine.g, admitted.rooms[0], final)
         reqs.status[req] = RUNNING
         engine.budget -= 1

@@ -33,12 +33,12 @@ SPLIT_COLORS = {"token_states": "#2b6cb0", "reservation": "#f6ad55",
                 "padding": "#718096", "out_of_window": "#9f7aea", "store_pending": "#319795"}
 #: the parts of an offload tier (fragsim.offload.connector), bottom to top
 TIER_SPLIT = ("cached_hit_later", "cached_never_hit", "read_pending", "write_pending",
-              "chunk_tail", "free")
+              "chunk_tail", "swapped", "free")
 TIER_LABELS = {"cached_hit_later": "cached, hit later", "cached_never_hit": "cached, never hit again",
                "read_pending": "being read", "write_pending": "being written",
-               "chunk_tail": "chunk tails", "free": "free"}
+               "chunk_tail": "chunk tails", "swapped": "swapped-out sequences", "free": "free"}
 TIER_COLORS = {"cached_hit_later": "#2f855a", "cached_never_hit": "#9ae6b4", "read_pending": "#3182ce",
-               "write_pending": "#dd6b20", "chunk_tail": "#e53e3e", "free": "#cbd5e0"}
+               "write_pending": "#dd6b20", "chunk_tail": "#e53e3e", "swapped": "#805ad5", "free": "#cbd5e0"}
 
 
 def run_id(config: dict[str, Any]) -> str:

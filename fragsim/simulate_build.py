@@ -81,13 +81,12 @@ def make_offload(trace: Any, allocator_name: str, spec: RunSpec, model: Any, gpu
     placement = PRESETS[allocator_name][0] if allocator_name in PRESETS else allocator_name
     why = None
     if is_hybrid_manager(allocator_name):
-        why = ("offload tiers run over the dense paged pool in this release; the hybrid managers "
-               "(their full-attention groups) are not modelled with a tier yet")
+        why = ("offload tiers run over the dense paged pool in this release; vLLM 0.33 also offloads "
+               "hybrid models' groups (sliding windows looked up from the end, state layers "
+               "aligned), which fragsim does not model yet: run --allocator vllm (every layer "
+               "as full attention) to see a tier at all")
     elif placement not in ("paged", "paged-shared"):
         why = f"a tier moves whole blocks, and {allocator_name!r} ({placement}) is not paged: use vllm or paged"
-    elif spec.preemption == "swap":
-        why = ("swap preemption and the CPU tier would both claim host memory; fragsim does not "
-               "share one host pool between them yet: use --preemption recompute (vLLM v1 has no swap)")
     elif spec.num_samples > 1 or spec.beam_width > 1:
         why = "parallel sampling and beam search are not modelled with a tier"
     elif spec.batching != "continuous":

@@ -37,17 +37,17 @@ def test_a_hit_loads_over_the_host_link_and_the_prompt_was_stored_by_bytes_over_
     engine.run()
     tier = engine.offload.summary()[0]  # type: ignore[union-attr]
     store_s = 1024 * KV_BYTES / PCIE          # 64 blocks of 16 tokens, the first request's prompt
-    load_s = 1008 * KV_BYTES / PCIE           # all but the last block: one token is always computed
+    load_s = 1024 * KV_BYTES / PCIE           # the whole prompt; its last token is computed again
     assert tier["store_time_s"] == pytest.approx(store_s)
     assert tier["load_time_s"] == pytest.approx(load_s)
-    assert tier["hits_tokens"] == 1008
-    assert tier["store_bytes"] == 1024 * KV_BYTES and tier["load_bytes"] == 1008 * KV_BYTES
+    assert tier["hits_tokens"] == 1024
+    assert tier["store_bytes"] == 1024 * KV_BYTES and tier["load_bytes"] == 1024 * KV_BYTES
     reqs = engine.requests
     ttft = reqs.first_token - reqs.arrival
     assert ttft[0] == pytest.approx(STEP)
-    # The second request waits for its load, then computes its last 16 tokens in one step.
+    # The second request waits for its load, then computes its last token in one step.
     assert ttft[1] == pytest.approx(load_s + STEP)
-    assert engine.num_prefill_tokens == 1024 + 16
+    assert engine.num_prefill_tokens == 1024 + 1
 
 
 def test_a_finished_request_holds_its_blocks_until_its_stores_land() -> None:
@@ -62,13 +62,16 @@ def test_a_finished_request_holds_its_blocks_until_its_stores_land() -> None:
 
 
 def test_the_tier_is_asked_only_past_the_gpu_hit() -> None:
-    # The GPU still caches the prompt when the second request comes: the tier is not needed.
+    # The GPU still caches the prompt when the second request comes, all but its last
+    # block (the GPU's hit leaves a token to compute). The tier is asked from there,
+    # holds that block, and loads it; the request then computes its last token again.
     engine = make_engine(same_prompt_twice(0.5), "vllm", spec(prefix_caching=True), check=True)
     engine.run()
     tier = engine.offload.summary()[0]  # type: ignore[union-attr]
     assert engine.num_prefix_hits == 1008
-    assert tier["hits_tokens"] == 0
+    assert tier["hits_tokens"] == 16 and tier["load_bytes"] == 16 * KV_BYTES
     assert engine.offload.queries == 1024 + 16  # type: ignore[union-attr]  # the first prompt, the second's rest
+    assert engine.num_prefill_tokens == 1024 + 1
 
 
 def test_without_a_tier_nothing_changes() -> None:
@@ -99,7 +102,8 @@ def test_the_tier_split_holds_at_every_step_under_pressure(policy: str, prefix_c
     result = simulate(trace, "vllm", run, check=True)
     s = result.summary
     assert len(s["tiers"]) == (2 if disk else 1)
-    parts = ("cached_hit_later", "cached_never_hit", "write_pending", "read_pending", "chunk_tail", "free")
+    parts = ("cached_hit_later", "cached_never_hit", "write_pending", "read_pending", "chunk_tail",
+             "swapped", "free")
     for tier in s["tiers"]:
         fracs = [tier[f"{p}_frac"] for p in parts]
         assert min(fracs) >= -1e-12 and math.fsum(fracs) == pytest.approx(1.0)
@@ -117,7 +121,6 @@ def test_the_tier_split_holds_at_every_step_under_pressure(policy: str, prefix_c
 @pytest.mark.parametrize(("allocator", "extra", "word"), [
     ("vllm-hybrid", {}, "hybrid"),
     ("orca-max", {}, "not paged"),
-    ("vllm", {"preemption": "swap"}, "swap"),
     ("vllm", {"num_samples": 2}, "sampling"),
 ])
 def test_what_a_tier_cannot_run_with_is_refused_by_name(allocator: str, extra: dict[str, object],
@@ -149,12 +152,10 @@ def test_a_disk_hit_is_read_by_an_io_thread_then_crosses_the_host_link() -> None
     engine = make_engine(three([(1024, (7, 8)), (1024, (9, 10)), (1024, (7, 8))]), "vllm", run, check=True)
     engine.run()
     cpu, disk = engine.offload.summary()  # type: ignore[union-attr]
-    assert cpu["hits_tokens"] == 0 and disk["hits_tokens"] == 1008
-    # The third request then stores its last block, the one it computed: one more
-    # eviction; the run ends before that block is written through to disk.
-    assert cpu["evicted_blocks"] == 65 and disk["stored_blocks"] == 128
-    read_s = 1008 * KV_BYTES * 4 / 3e9      # one of four I/O threads: a quarter of 3 GB/s
-    link_s = 1008 * KV_BYTES / PCIE
+    assert cpu["hits_tokens"] == 0 and disk["hits_tokens"] == 1024
+    assert cpu["evicted_blocks"] == 64 and disk["stored_blocks"] == 128
+    read_s = 1024 * KV_BYTES * 4 / 3e9      # one of four I/O threads: a quarter of 3 GB/s
+    link_s = 1024 * KV_BYTES / PCIE
     ttft = engine.requests.first_token - engine.requests.arrival
     assert ttft[2] == pytest.approx(read_s + link_s + STEP)
     assert disk["load_time_s"] == pytest.approx(read_s + link_s)
@@ -167,7 +168,7 @@ def test_lmcache_stores_the_partial_last_chunk_and_counts_its_tail() -> None:
     engine.run()
     (cpu,) = engine.offload.summary()  # type: ignore[union-attr]
     assert cpu["block_size"] == 256 and cpu["stored_blocks"] == 4  # 3 whole chunks and a 232-token tail
-    assert cpu["hits_tokens"] == 992          # the tail too, up to the last whole GPU block
+    assert cpu["hits_tokens"] == 1000         # the tail too: the same content and length
     assert cpu["store_bytes"] == 1000 * KV_BYTES
     assert cpu["chunk_tail_frac"] > 0
     # a chunk slot holds 256 tokens: the tail's 24 unused ones are 24/1024 of the used slots
@@ -179,12 +180,48 @@ def test_lazy_stores_what_the_gpu_prefix_cache_evicts() -> None:
     # 68 GPU blocks. The first request frees its blocks tail first (as vLLM does), so
     # the second prompt's 65 blocks are the 3 never used, the first's partial block and
     # its cached blocks 63 down to 3: those 61 go to the tier. The third request hits
-    # blocks 0-2 on the GPU and 3-62 in the tier (one token is always computed).
+    # blocks 0-2 on the GPU and 3-63 in the tier (and computes its last token again).
     run = spec(kv_offloading_backend="lazy", prefix_caching=True, kv_slots=68 * 16)
     engine = make_engine(three([(1024, (7, 8)), (1024, (9, 10)), (1024, (7, 8))]), "vllm", run, check=True)
     engine.run()
     (cpu,) = engine.offload.summary()  # type: ignore[union-attr]
     assert engine.num_prefix_hits == 3 * 16
-    assert cpu["hits_tokens"] == 60 * 16
+    assert cpu["hits_tokens"] == 61 * 16
     with pytest.raises(FragsimError, match="needs --prefix-caching"):
         make_engine(three([(1024, (7, 8))]), "vllm", spec(kv_offloading_backend="lazy"))
+
+
+def test_a_hit_still_being_written_defers_the_request_as_vllm_does() -> None:
+    # An 8,192-token prompt takes 33.6 ms to store. The second request, the same prompt,
+    # comes while the store is in flight: its lookup finds the chunks pending, so it
+    # is skipped (vLLM's HIT_PENDING) until they land, then loads them all.
+    hashes = tuple(range(16))
+    trace = Trace("pending", "test", np.array([0.0, 0.03]), np.array([8192, 8192]), np.array([50, 50]),
+                  block_hashes=[hashes, hashes], block_hash_size=512)
+    engine = make_engine(trace, "vllm", spec(max_seq_len=16384), check=True)
+    engine.run()
+    store_s = load_s = 8192 * KV_BYTES / PCIE
+    assert STEP < store_s < 2 * STEP
+    (tier,) = engine.offload.summary()  # type: ignore[union-attr]
+    assert tier["hits_tokens"] == 8192
+    # Skipped at the step at 0.04; admitted at 0.06 (the store landed at 0.0536); its
+    # load lands at 0.0936, seen at the step at 0.10, whose end brings its first token.
+    assert 0.06 + load_s < 0.10
+    assert engine.requests.first_token[1] == pytest.approx(0.12)
+    assert engine.num_prefill_tokens == 8192 + 1
+
+
+def test_swap_space_is_taken_from_the_cpu_tier() -> None:
+    # One host pool: sequences swapped out take whole chunks of the tier (evicting idle
+    # ones), and --swap-space-gb plays no part.
+    trace = make_sessions(SessionSpec(num_sessions=40, session_rate=6.0, system_prompt_len=700, seed=5)).trace
+    run = spec(kv_slots=6000, kv_offloading_size=0.5, preemption="swap", swap_space_gb=0.0)
+    result = simulate(trace, "vllm", run, check=True)
+    s = result.summary
+    (tier,) = s["tiers"]
+    assert s["num_preemptions_swap"] > 0
+    assert tier["swapped_frac"] > 0
+    parts = ("cached_hit_later", "cached_never_hit", "write_pending", "read_pending", "chunk_tail",
+             "swapped", "free")
+    assert math.fsum(tier[f"{p}_frac"] for p in parts) == pytest.approx(1.0)
+    assert s["num_finished"] + s["num_refused"] == len(trace)

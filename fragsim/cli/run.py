@@ -103,6 +103,8 @@ def tier_notes(s: dict[str, Any]) -> list[str]:
     for t in tiers:
         flight = t["write_pending_frac"] + t["read_pending_frac"]
         tails = f", {t['chunk_tail_frac']:.1%} chunk tails" if t["chunk_tail_frac"] else ""
+        if t.get("swapped_frac"):
+            tails += f", {t['swapped_frac']:.1%} swapped-out sequences"
         out.append(
             f"  {t['name']} {t['capacity_bytes'] / 2**30:,.2f} GiB ({t['policy']}, {t['block_size']}-token "
             f"blocks): {t['hits_tokens']:,} tokens hit; stored {t['stored_blocks']:,} blocks, evicted "

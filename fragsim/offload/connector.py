@@ -4,18 +4,23 @@ The engine (:mod:`fragsim.engine`) calls it where vLLM's scheduler calls the
 connector's scheduler side (``vllm/distributed/kv_transfer/kv_connector/v1/offloading/``):
 
 =======================  =================================================================
-admission                after the GPU prefix-cache hit, :meth:`~OffloadConnector.lookup`
-                         walks the request's prompt chunks from the first one the GPU did
-                         not hit until the first chunk no tier has ready; that run is loaded
-                         (pinned in its tier) into the blocks the admission placed. The
-                         request waits, holding them, until every load lands
-                         (``WAITING_FOR_REMOTE_KVS``), then its prefill starts after the
-                         loaded tokens. One token is always computed, as for GPU hits.
+admission                after the GPU prefix-cache hit, :meth:`~OffloadConnector.probe`
+                         walks the request's prompt chunks from the chunk the GPU hit ends
+                         in until the first chunk no tier holds. A chunk still being
+                         written counts, but defers the request: it is skipped this step
+                         (vLLM's ``HIT_PENDING``). A run of less than one chunk past the
+                         GPU hit is no hit. Once the admission placed the request's blocks,
+                         :meth:`~OffloadConnector.start_load` pins the run in its tiers and
+                         loads it; the request waits, holding its blocks, until every load
+                         lands (``WAITING_FOR_REMOTE_KVS``), then prefills the rest. A load
+                         of the whole prompt leaves its last token to compute again.
 end of a step            :meth:`~OffloadConnector.store` offers the prompt chunks the step
                          completed (eager stores, prompt only); the CPU tier takes them all
                          or none, evicting idle chunks by its policy, never one being read
                          or written.
-a request finishes       its GPU blocks stay held until its stores land
+a request finishes       its GPU blocks stay held until its stores land (vLLM 0.33 frees
+                         them at once but fences their reuse until the stores land: the
+                         same bytes are unusable meanwhile)
 start of a step          :meth:`~OffloadConnector.poll`: transfers that ended by now
                          complete; loaded requests may run; held blocks are freed
 =======================  =================================================================
@@ -191,6 +196,7 @@ class TierSplit:
     cached_hit_later: float = 0.0
     cached_never_hit: float = 0.0
     chunk_tail: float = 0.0
+    swapped: float = 0.0       # slots lent to swapped-out sequences (one host pool)
 
     def close(self, r: _Residency, t_out: float) -> None:
         f = r.fill
@@ -208,7 +214,7 @@ class TierSplit:
     @property
     def used(self) -> float:
         return (self.write_pending + self.read_pending + self.cached_hit_later
-                + self.cached_never_hit + self.chunk_tail)
+                + self.cached_never_hit + self.chunk_tail + self.swapped)
 
 
 @dataclass
@@ -236,6 +242,25 @@ class Level:
         self.stats = LevelStats()
         self.resident: dict[int, _Residency] = {}
         self.access: dict[int, RequestAccess] = {}
+        self._lent_since = 0.0   # when the count of slots lent out last changed
+
+    def lend(self, n: int, now: float) -> bool:
+        """Lend ``n`` slots to swapped-out sequences, evicting idle chunks (False: too few)."""
+        self._account_lent(now)
+        evicted = self.tier.reserve(n)
+        if evicted is None:
+            return False
+        for key in evicted:
+            self.split.close(self.resident.pop(key), now)
+        return True
+
+    def take_back(self, n: int, now: float) -> None:
+        self._account_lent(now)
+        self.tier.release(n)
+
+    def _account_lent(self, now: float) -> None:
+        self.split.swapped += self.tier.reserved * (now - self._lent_since)
+        self._lent_since = now
 
     def ready(self, key: int) -> bool:
         return self.tier.state.get(key, WRITING) != WRITING
@@ -297,11 +322,12 @@ class Level:
     def close(self, now: float) -> None:
         for key in list(self.resident):
             self.split.close(self.resident.pop(key), now)
+        self._account_lent(now)
 
     def check(self) -> None:
         tier = self.tier
         state = tier.state
-        assert len(state) <= tier.num_chunks, (self.name, len(state), tier.num_chunks)
+        assert len(state) + tier.reserved <= tier.num_chunks, (self.name, len(state), tier.num_chunks)
         assert state.keys() == self.resident.keys(), f"{self.name}: tier and residency log drifted"
         assert tier.num_idle == sum(1 for s in state.values() if s == 0)
         assert tier.num_writing == sum(1 for s in state.values() if s == WRITING)
@@ -319,6 +345,7 @@ class Level:
             "write_pending": split.write_pending,
             "read_pending": split.read_pending,
             "chunk_tail": split.chunk_tail,
+            "swapped": split.swapped,
         }
         fracs = {f"{k}_frac": (v / total if total > 0 else 0.0) for k, v in parts.items()}
         fracs["free_frac"] = (total - split.used) / total if total > 0 else 1.0
@@ -434,26 +461,58 @@ class OffloadConnector:
         assert hashes is not None
         return _TAIL_KEYS + (hash((tuple(hashes[req]), prompt)) & (_TAIL_KEYS - 1)) // 2
 
-    def lookup(self, req: int, prompt: int, context: int, gpu_hit: int, now: float) -> int:
-        """Tokens found past the GPU hit (0: none); a hit starts its loads, which the
-        request waits for (:meth:`loading`)."""
+    def _walk(self, keys: Sequence[int], first: int, last: int) -> tuple[list[Level], bool]:
+        """The tier each of ``keys[first:last]`` is found in, up to the first miss, and
+        whether one of them is still being written (resident, not yet readable)."""
+        source: list[Level] = []
+        pending = False
+        for key in keys[first:last]:
+            level = next((lv for lv in self.levels if lv.ready(key)), None)
+            if level is None:
+                if not any(key in lv.tier.state for lv in self.levels):
+                    break
+                pending = True  # vLLM: HIT_PENDING counts, and the lookup is deferred
+                level = self.cpu
+            source.append(level)
+        return source, pending
+
+    def _hit_end(self, num_keys: int, prompt: int, context: int, gpu_hit: int, hits: int) -> int:
+        """Where a run of ``hits`` chunks from the GPU hit ends, in tokens (0: no hit):
+        at most the request's tokens, and at least one chunk past the GPU hit."""
+        end = min(context, num_keys * self.chunk, prompt, (gpu_hit // self.chunk + hits) * self.chunk)
+        return end if end - gpu_hit >= self.chunk else 0
+
+    def probe(self, req: int, prompt: int, context: int, gpu_hit: int) -> int | None:
+        """Tokens the tiers hold past the GPU hit of ``gpu_hit`` tokens (0: none), or None
+        when a chunk of that run is still being written: vLLM's scheduler then skips the
+        request this step (the lookup is deferred)."""
+        keys = self._prompt_keys(req, prompt)
+        first = gpu_hit // self.chunk
+        last = min(-(-context // self.chunk), len(keys))
+        source, pending = self._walk(keys, first, last)
+        for level in self.levels:
+            level.tier.counters.lookups += min(len(source) + 1, max(last - first, 0))
+        if pending:
+            return None
+        end = self._hit_end(len(keys), prompt, context, gpu_hit, len(source))
+        return end - gpu_hit if end else 0
+
+    def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float) -> int:
+        """The request was admitted (its blocks placed): count its lookup, and load what
+        the tiers hold past its GPU hit (pinned until it lands). Returns the tokens loaded,
+        which the request waits for (:meth:`loading`)."""
         self.now = now
         keys = self._prompt_keys(req, prompt)
         first = gpu_hit // self.chunk
         self._next_store.setdefault(req, first)
         self.queries += context - gpu_hit
-        source: list[Level] = []
-        for key in keys[first:]:
-            level = next((lv for lv in self.levels if lv.ready(key)), None)
-            if level is None:
-                break
-            source.append(level)
-        for level in self.levels:
-            level.tier.counters.lookups += min(len(source) + 1, len(keys) - first)
-        limit = min((context - 1) // self.gpu_block * self.gpu_block, prompt)  # one token is computed
-        end = min(first * self.chunk + sum(self._chunk_len(i, prompt) for i in range(first, first + len(source))),
-                  limit)
-        tokens = end - gpu_hit
+        last = min(-(-context // self.chunk), len(keys))
+        source, pending = self._walk(keys, first, last)
+        if pending:  # admission evicted (lazy stores): keep the ready run before it
+            source = source[: next(i for i, key in enumerate(keys[first:first + len(source)])
+                                   if not source[i].ready(key))]
+        end = self._hit_end(len(keys), prompt, context, gpu_hit, len(source))
+        tokens = end - gpu_hit if end else 0
         if tokens <= 0:
             return 0
         jobs: list[Transfer] = []
@@ -471,8 +530,7 @@ class OffloadConnector:
             phases = [(self._link(), n * self.link_seconds_per_token)]
             if level is self.disk:
                 phases.insert(0, (self._io(), self._disk_seconds(n, read=True)))
-            job = Transfer("load", req, ks, n, phases, now, level)
-            jobs.append(job)
+            jobs.append(Transfer("load", req, ks, n, phases, now, level))
         self._next_store[req] = max(self._next_store[req], end // self.chunk)
         self.hits += tokens
         self._loading[req] = jobs
@@ -537,6 +595,14 @@ class OffloadConnector:
         self._next_store.pop(req, None)
         if self.backend != "lazy":  # the lazy backend's keys are the GPU cache's
             self.keys.forget(req)
+
+    def swap_out(self, slots: int, now: float) -> bool:
+        """Room in the CPU tier for ``slots`` KV slots of a swapped-out sequence (one host
+        pool: swap takes whole chunks from the tier, evicting idle ones); False: none."""
+        return self.cpu.lend(-(-slots // self.chunk), now)
+
+    def swap_in(self, slots: int, now: float) -> None:
+        self.cpu.take_back(-(-slots // self.chunk), now)
 
     def held_slots(self, kv: Any, final: Any) -> tuple[int, int]:
         """(tokens the held sequences store, slots only they hold). ``final``: each

@@ -98,6 +98,7 @@ class Tier:
         self.state: dict[Key, int] = {}  # resident keys -> WRITING, 0 (idle) or readers
         self.num_idle = 0
         self.num_writing = 0
+        self.reserved = 0  # slots lent out whole (swapped-out sequences: fragsim's own)
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
         self._offers: OrderedDict[Key, int] | None = OrderedDict() if store_threshold >= 2 else None
@@ -107,7 +108,7 @@ class Tier:
 
     @property
     def num_free(self) -> int:
-        return self.num_chunks - len(self.state)
+        return self.num_chunks - len(self.state) - self.reserved
 
     def lookup(self, key: Key) -> Lookup:
         self.counters.lookups += 1
@@ -188,6 +189,31 @@ class Tier:
         access.inserted.update(absent)
         self.counters.stored += len(absent)
         return StoreResult(absent, evicted)
+
+    def reserve(self, n: int) -> list[Key] | None:
+        """Lend ``n`` slots out of the pool (swap space), evicting idle chunks by the
+        policy to make room; the evicted keys, or None (nothing changed) when too few
+        chunks are idle. Not a vLLM call: vLLM v1 has no swap."""
+        to_evict = n - self.num_free
+        evicted: list[Key] = []
+        if to_evict > 0:
+            if to_evict > self.num_idle:
+                return None
+            chosen = self.policy.evict(to_evict, (), self._idle)
+            if chosen is None:
+                return None
+            for key in chosen:
+                del self.state[key]
+            self.num_idle -= len(chosen)
+            self.counters.evicted += len(chosen)
+            evicted = chosen
+        self.reserved += n
+        return evicted
+
+    def release(self, n: int) -> None:
+        if n > self.reserved:
+            raise ValueError(f"releasing {n} slots, {self.reserved} lent out")
+        self.reserved -= n
 
     def complete_store(self, keys: Sequence[Key], success: bool = True) -> None:
         state = self.state
