@@ -173,8 +173,9 @@ def main(args: argparse.Namespace) -> int:
         return 0
     out = Console()
     if not out.is_terminal:
-        # the hybrid managers' split has two more columns
-        out = Console(width=240 if any("padding_frac" in r.summary for r in results) else 200)
+        # the hybrid managers' split has two more columns, a run with a tier one
+        out = Console(width=240 if any("padding_frac" in r.summary or r.summary.get("tiers")
+                                       for r in results) else 200)
     s0 = results[0].summary
     pool = (f"KV pool {s0['capacity_slots']:,} slots" if s0["capacity_slots"] is not None
             else f"KV pool {s0['kv_pool_bytes'] / 2**30:,.2f} GiB")
