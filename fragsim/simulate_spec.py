@@ -61,6 +61,7 @@ class RunSpec:
                                           # workload's fitted value, else DEFAULT_BEAM_THETA
     prefix_caching: bool = False
     system_prompt_len: int = 0            # tokens of one system prompt before every prompt
+    load_scale: int = 1                   # merge this many seeded copies of the trace (K x its rate)
     # A CPU tier below the GPU pool (vLLM's --kv-offloading-*; fragsim.offload.connector):
     kv_offloading_size: float | None = None   # GiB of host memory, every GPU together; None: no tier
     kv_offloading_policy: str = "lru"         # lru or arc
@@ -102,9 +103,9 @@ def load_workload(spec: RunSpec) -> Any:
     if spec.trace in WORKLOADS:
         if spec.rate is None:
             raise FragsimError(f"workload {spec.trace!r} needs --rate (requests/s) for its arrivals")
-        return _with_system_prompt(
+        return _with_system_prompt(_scaled(
             make_workload(spec.trace, spec.num_requests or 1000, spec.rate, seed=spec.seed,
-                          arrival=spec.arrival, cv=spec.cv), spec)
+                          arrival=spec.arrival, cv=spec.cv), spec), spec)
     trace = load_trace(spec.trace)
     if spec.time_window_s is not None:
         start, end = spec.time_window_s
@@ -117,7 +118,13 @@ def load_workload(spec: RunSpec) -> Any:
         raise FragsimError(
             f"{trace.name} has lengths but no arrival times; give --rate (requests/s) "
             "and optionally --arrival poisson|gamma --cv X")
-    return _with_system_prompt(trace, spec)
+    return _with_system_prompt(_scaled(trace, spec), spec)
+
+
+def _scaled(trace: Any, spec: RunSpec) -> Any:
+    from fragsim.traces import scale_load
+
+    return scale_load(trace, spec.load_scale, seed=spec.seed)
 
 
 def _with_system_prompt(trace: Any, spec: RunSpec) -> Any:

@@ -32,6 +32,9 @@ def add_workload_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-window", type=_window, metavar="START:END",
                    help="keep requests arriving in [START, END) seconds")
     g.add_argument("--rate", type=positive_float, help="re-time arrivals at this many requests/s")
+    g.add_argument("--load-scale", type=positive_int, default=1, metavar="K",
+                   help="merge K copies of the trace, each shifted by a small seeded offset and with "
+                        "its own content hashes: K times the rate, the burstiness kept (default 1)")
     g.add_argument("--arrival", choices=("poisson", "gamma"), default="poisson",
                    help="arrival process with --rate (default: %(default)s)")
     g.add_argument("--cv", type=positive_float, default=1.0,
@@ -171,6 +174,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         beam_theta=getattr(args, "beam_theta", None),
         prefix_caching=getattr(args, "prefix_caching", False),
         system_prompt_len=getattr(args, "system_prompt_len", 0),
+        load_scale=getattr(args, "load_scale", 1),
         kv_offloading_size=getattr(args, "kv_offloading_size", None),
         kv_offloading_policy=getattr(args, "kv_offloading_policy", "lru"),
         kv_offloading_block_size=getattr(args, "kv_offloading_block_size", None),

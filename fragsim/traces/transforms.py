@@ -82,3 +82,42 @@ def scale_time(trace: Trace, factor: float) -> Trace:
     if not (math.isfinite(factor) and factor > 0):
         raise FragsimError(f"factor must be a positive number, got {factor!r}")
     return dataclasses.replace(trace, arrival_s=trace.arrival_s / factor)
+
+
+def scale_load(trace: Trace, copies: int, seed: int = 0) -> Trace:
+    """``copies`` copies of the trace merged: ``copies`` times its rate, its burstiness kept.
+
+    Copy 0 is the trace; copy ``j`` is shifted later by a seeded offset drawn
+    uniformly from ``[0, mean inter-arrival gap)``, so the copies interleave rather
+    than arrive in lockstep; the rate over any window of a few gaps or more is ``K``
+    times the trace's, so its peaks stay peaks (at the scale of one gap the copies
+    crowd together: the inter-arrival CV rises). Each copy's content hashes are its own (copy ``j`` adds
+    ``j × (largest hash + 1)``): ``K`` copies of a conversation are ``K``
+    conversations, not one asked ``K`` times. Rows are sorted by arrival, ties kept
+    in copy order.
+    """
+    if copies < 1:
+        raise FragsimError(f"load scale must be a whole number >= 1, got {copies!r}")
+    if copies == 1:
+        return trace
+    if not trace.has_timestamps:
+        raise FragsimError(f"{trace.name}: has no timestamps to scale; give --rate first")
+    n = len(trace)
+    gap = float(trace.arrival_s[-1] - trace.arrival_s[0]) / max(n - 1, 1)
+    offsets = np.concatenate(([0.0], np.random.default_rng(seed).uniform(0.0, gap, copies - 1)))
+    arrival = np.concatenate([trace.arrival_s + off for off in offsets])
+    order = np.argsort(arrival, kind="stable")
+    hashes = None
+    if trace.block_hashes is not None:
+        stride = 1 + max((max(h) for h in trace.block_hashes if h), default=0)
+        merged = [tuple(x + j * stride for x in h) for j in range(copies) for h in trace.block_hashes]
+        hashes = [merged[i] for i in order.tolist()]
+    return dataclasses.replace(
+        trace,
+        name=f"{trace.name}x{copies}",
+        source=f"{trace.source}+load_scale={copies},seed={seed}",
+        arrival_s=arrival[order],
+        prompt_len=np.tile(trace.prompt_len, copies)[order],
+        output_len=np.tile(trace.output_len, copies)[order],
+        block_hashes=hashes,
+    )
