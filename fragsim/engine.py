@@ -68,10 +68,11 @@ class Engine:
 
     def __init__(self, trace: Any, kv: KVManager | Any, cost_model: CostModel,
                  config: EngineConfig, progress: Callable[[int], None] | None = None,
-                 observer: StepObserver | None = None, offload: OffloadConnector | None = None) -> None:
+                 observer: StepObserver | None = None, offload: OffloadConnector | None = None,
+                 prefix_keys: Any = None) -> None:
         if observer is not None and not config.exact_steps:
             raise ValueError("an observer sees every step, so it needs exact_steps=True")
-        self.kv: KVManager = as_kv_manager(kv, trace, config)
+        self.kv: KVManager = as_kv_manager(kv, trace, config, prefix_keys)
         self.kv.validate(config)
         self.observer, self.cfg, self.cost, self.progress = observer, config, cost_model, progress
         #: a CPU tier below the GPU pool (:mod:`fragsim.offload.connector`); None without
@@ -90,6 +91,9 @@ class Engine:
 
         #: the requests, one row each (lengths, status, times); refuses the unservable
         self.requests = reqs = RequestTable(trace, config, self.kv.fits_alone, self.rec.counters)
+        #: an instance of a cluster waits on this when it has nothing to do and its next
+        #: request is not routed yet (:mod:`fragsim.cluster`); None: not in a cluster
+        self.wake: simpy.Event | None = None
 
         self.now = float(reqs.arrival[0]) if reqs.N else 0.0
         self.g = 0                      # steps completed
@@ -382,8 +386,7 @@ class Engine:
         """Nothing to compute: the clock moves to the next arrival, or to the next
         transfer landing when an offload tier has one in flight."""
         reqs = self.requests
-        nxt = reqs.next_row
-        target = float(reqs.arrival[nxt]) if nxt < reqs.N else math.inf
+        target = reqs.next_arrival()
         if self.offload is not None:
             landing = self.offload.next_done()
             if landing is not None:
@@ -404,33 +407,53 @@ class Engine:
         step, jump = (request_batching.static_step, request_batching.static_jump) if static \
             else (Engine._step, stretch.jump)
         reqs, offload = self.requests, self.offload
-        while reqs.num_done < reqs.N:
+        while not reqs.all_done():
             dt = (0.0 if offload is not None and offload.busy else jump(self)) or step(self)
             if not dt:
                 busy = self.num_running() or self.waiting or self.swapped
                 in_flight = offload is not None and offload.busy
-                if busy and reqs.next_row >= reqs.N and not in_flight:
+                if busy and reqs.next_arrival() == math.inf and not in_flight and reqs.routing_done:
                     raise RuntimeError(
                         f"scheduler stalled at t={self.now:.3f}s with {len(self.waiting)} waiting and "
                         f"nothing running; this is a bug (please report the configuration)")
                 dt = self._idle_until_next_arrival()
                 if not dt and not busy and not in_flight:
+                    if reqs.next_arrival() == math.inf and not reqs.routing_done:
+                        yield from self._wait_for_routing(env)
                     continue
             self.num_events += 1
             if self.address_sampler.due(self.now):
                 self.address_sampler.sample(self.now, {s.seq_id: s.filled for s in live_sequences(self)})
             yield env.timeout(max(0.0, self.now - env.now))
 
-    def run(self) -> Engine:
-        env = simpy.Environment(initial_time=self.now)
+    def _wait_for_routing(self, env: simpy.Environment):  # type: ignore[no-untyped-def]
+        """Idle until the cluster's router sends a request here (or routes its last)."""
+        self.wake = env.event()
+        yield self.wake
+        self.wake = None
+        dt = env.now - self.now
+        if dt > 0:
+            self.kv.record(self.rec, self.now, dt, 0, self, 0, len(self.waiting))
+        self.now = max(self.now, float(env.now))
+
+    def start(self, env: simpy.Environment) -> None:
+        """Run as a process of ``env`` (a cluster runs its instances in one environment)."""
         if self.offload is not None:
             self.offload.bind(env)
         env.process(self._process(env))
-        env.run()
+
+    def finish_run(self) -> None:
+        """The run is over: close what integrates over time, report the last progress."""
         if self.offload is not None:
             self.offload.close(self.now)
         if self.progress is not None:
             self.progress(self.requests.num_done)
+
+    def run(self) -> Engine:
+        env = simpy.Environment(initial_time=self.now)
+        self.start(env)
+        env.run()
+        self.finish_run()
         return self
 
     # ------------------------------------------------- what holds memory (LiveView)

@@ -12,6 +12,7 @@ queue, queue timeouts, and a request's finish. Scheduling is the engine's
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -60,6 +61,47 @@ class RequestTable:
         self.final = self.prompt + self.output
         self.next_row = 0               # next row to arrive
         self.num_done = 0               # rows finished or refused
+        #: the rows routed here, in a cluster (:mod:`fragsim.cluster`); None: every row
+        self.mine: np.ndarray | None = None
+        self.num_mine = self.N
+        self.num_arrived = 0            # rows of mine that reached the queue (or a refusal)
+        #: rows are routed as they arrive (a router that reads the instances' state)
+        self.dynamic = False
+        self.routing_done = True
+
+    # -- a cluster's instance --------------------------------------------------------
+
+    def route_all(self, mine: np.ndarray) -> None:
+        """Only the rows ``mine`` come here, known before the run (a static router)."""
+        self.mine = np.asarray(mine, dtype=bool)
+        self.num_mine = int(self.mine.sum())
+        self._index_servable(self.servable & self.mine)
+
+    def route_as_they_come(self) -> None:
+        """Rows come here as a router sends them, each at its arrival (a dynamic router)."""
+        self.mine = np.zeros(self.N, dtype=bool)
+        self.num_mine = 0
+        self.dynamic = True
+        self.routing_done = False
+
+    def route(self, req: int) -> None:
+        assert self.mine is not None and self.dynamic
+        self.mine[req] = True
+        self.num_mine += 1
+
+    def all_done(self) -> bool:
+        """Every row that comes here is finished or refused (and no more will come)."""
+        return self.routing_done and self.num_done >= self.num_mine
+
+    def next_arrival(self) -> float:
+        """When the next row that may come here arrives (inf: none known). A dynamic
+        router's rows are routed at their arrival, so none is known ahead."""
+        row = self.next_row
+        if self.mine is not None:
+            if self.dynamic:
+                return math.inf
+            row = int(self._next_mine[row])
+        return float(self.arrival[row]) if row < self.N else math.inf
 
     def _classify(self, cfg: EngineConfig,
                   fits_alone: Callable[[np.ndarray, np.ndarray, int], np.ndarray]) -> None:
@@ -75,18 +117,28 @@ class RequestTable:
         self.refused[too_long] = REFUSE_TOO_LONG
         self.refused[too_large] = REFUSE_TOO_LARGE
         self.servable = ~(too_long | too_large)
-        self.servable_cum = np.concatenate(([0], np.cumsum(self.servable)))
+        self._index_servable(self.servable)
+
+    def _index_servable(self, servable: np.ndarray) -> None:
+        """Prefix counts and next-row indexes over the rows that may be served here."""
+        self.servable_cum = np.concatenate(([0], np.cumsum(servable)))
         # next_servable[i]: first servable row >= i (N if none)
-        idx = np.where(self.servable, np.arange(self.N), self.N)
+        idx = np.where(servable, np.arange(self.N), self.N)
         self.next_servable = np.minimum.accumulate(idx[::-1])[::-1] if self.N else idx
         self.next_servable = np.append(self.next_servable, self.N)
+        mine: np.ndarray | None = getattr(self, "mine", None)
+        idx = np.where(mine, np.arange(self.N), self.N) if mine is not None else np.arange(self.N)
+        self._next_mine = np.append(np.minimum.accumulate(idx[::-1])[::-1] if self.N else idx, self.N)
 
     def arrive(self, now: float, waiting: deque[int]) -> None:
         """Rows that arrived by ``now`` join ``waiting``; those never servable are refused."""
-        arrival = self.arrival
+        arrival, mine = self.arrival, self.mine
         while self.next_row < self.N and arrival[self.next_row] <= now:
             req = self.next_row
             self.next_row += 1
+            if mine is not None and not mine[req]:
+                continue  # routed to another instance
+            self.num_arrived += 1
             if self.servable[req]:
                 self.status[req] = WAITING
                 waiting.append(req)

@@ -122,10 +122,12 @@ def _gpu_keys(kv: Any) -> Any:
 
 def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
                 progress: Callable[[int], None] | None = None, check: bool = False,
-                cost: Any = None, model_gpu: tuple[Any, Any] | None = None) -> Engine:
+                cost: Any = None, model_gpu: tuple[Any, Any] | None = None,
+                prefix_keys: Any = None) -> Engine:
     """The engine a spec describes; ``cost`` (a cost model object) overrides
     ``spec.cost_model`` (the calibration fit tries many), ``model_gpu`` the spec's
-    model and GPU (a model built in code, such as the validator's miniatures)."""
+    model and GPU (a model built in code, such as the validator's miniatures);
+    ``prefix_keys`` the prefix keys (a cluster's instances share one)."""
     from fragsim.costmodel import make_cost_model
 
     model, gpu = model_gpu or _model_gpu(spec)
@@ -164,7 +166,7 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
             getattr(allocator, "prefix", None) is not None else None
         kv = HybridKV(allocator, resolution, keys)
     try:
-        engine = Engine(trace, kv, cost, config, progress=progress)
+        engine = Engine(trace, kv, cost, config, progress=progress, prefix_keys=prefix_keys)
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
     if spec.kv_offloading_size is not None:

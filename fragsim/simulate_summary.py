@@ -40,7 +40,7 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
     counters = rec.counters.to_dict()
     summary: dict[str, Any] = {
         "allocator": allocator_name,
-        "num_requests": reqs.N,
+        "num_requests": reqs.num_mine,
         "num_finished": int(done.sum()),
         **counters,
         "capacity_slots": cap,
@@ -102,6 +102,8 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
         "normalized_latency_s": np.where(done, e2e / out_len, np.nan),
         "num_preemptions": reqs.preemptions,
     })
+    if reqs.mine is not None:  # an instance of a cluster: the rows routed here
+        requests = requests[reqs.mine].reset_index(drop=True)
     return summary, requests
 
 

@@ -75,7 +75,15 @@ def plan(engine: Engine) -> Plan | None:
     reqs = engine.requests
     watch = not engine.waiting and not engine.swapped
     arrive = math.inf
-    if watch:
+    if reqs.dynamic:
+        # A cluster's router sends requests as they arrive: any arrival may come here,
+        # whether or not the queue is blocked (the waiting counts must see it).
+        watch = False
+        if reqs.next_row < reqs.N:
+            arrive = float(reqs.arrival[reqs.next_row])
+            if arrive <= now:
+                return None
+    elif watch:
         nxt = int(reqs.next_servable[reqs.next_row])
         if nxt < reqs.N:
             arrive = float(reqs.arrival[nxt])
@@ -143,6 +151,8 @@ def waiting_counts(engine: Engine, stretch: Plan, k: int) -> np.ndarray:
         # Nothing servable arrives before the stretch ends (that is where it stops).
         return np.zeros(k, dtype=np.int64)
     reqs = engine.requests
+    if reqs.dynamic:  # the stretch stops before the next arrival
+        return np.full(k, len(engine.waiting) + len(engine.swapped), dtype=np.int64)
     pulled = np.searchsorted(reqs.arrival, stretch.starts[:k], side="right")
     return len(engine.waiting) + len(engine.swapped) \
         + reqs.servable_cum[pulled] - reqs.servable_cum[reqs.next_row]

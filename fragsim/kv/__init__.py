@@ -14,14 +14,15 @@ __all__ = ["Admitted", "DenseKV", "Hit", "KVManager", "PrefixCache", "Rows", "St
            "as_kv_manager"]
 
 
-def as_kv_manager(kv: Any, trace: Any, config: EngineConfig) -> KVManager:
+def as_kv_manager(kv: Any, trace: Any, config: EngineConfig, keys: Any = None) -> KVManager:
     """``kv`` itself when it is a KV manager; an allocator gets :class:`DenseKV`, with
-    the trace's prefix keys when the run caches prefixes."""
+    the trace's prefix keys when the run caches prefixes (``keys``: given ones, which
+    the instances of a cluster share so that a router can compare them)."""
     if hasattr(kv, "admit"):
         return kv  # type: ignore[no-any-return]
-    keys = None
-    if config.prefix_caching:
+    if config.prefix_caching and keys is None:
         from fragsim.prefix import PrefixKeys
 
         keys = PrefixKeys(trace, int(getattr(kv, "block_size", 1) or 1))
-    return DenseKV(kv, max_seq_len=config.max_seq_len, prefix_keys=keys)
+    return DenseKV(kv, max_seq_len=config.max_seq_len,
+                   prefix_keys=keys if config.prefix_caching else None)
