@@ -7,6 +7,7 @@ run never leaves a half-written ``results/<run-id>/``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -88,7 +89,7 @@ def write_results(out_root: Path, config: dict[str, Any], results: Sequence[Any]
             r.timeseries.to_parquet(tmp / f"timeseries-{r.allocator}.parquet", index=False)
         if plot:
             plot_split_bars(summaries, tmp / "memory_split.png")
-            plot_split_over_time(results, tmp / "memory_over_time.png")
+            plot_split_over_time([i for r in results for i in _instances(r)], tmp / "memory_over_time.png")
             if any(s.get("tiers") for s in summaries):
                 plot_tiers(summaries, tmp / "tiers.png")
             hybrid = [r for r in results if r.summary.get("by_kind")]
@@ -172,6 +173,14 @@ def _num(value: float, digits: int) -> str:
 
 def _savefig(fig: Any, path: Path) -> None:
     write_atomically(path, lambda out: fig.savefig(out, format="png", dpi=130, bbox_inches="tight"))
+
+
+def _instances(result: Any) -> list[Any]:
+    """A run, or a cluster's instances (each labelled with its index) for per-instance figures."""
+    instances = getattr(result, "instances", None)
+    if not instances:
+        return [result]
+    return [dataclasses.replace(r, allocator=f"{r.allocator} #{i}") for i, r in enumerate(instances)]
 
 
 def plot_split_bars(summaries: Sequence[dict[str, Any]], path: Path, title: str | None = None) -> None:

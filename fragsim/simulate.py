@@ -59,6 +59,14 @@ class RunResult:
 def simulate(trace: Any, allocator_name: str, spec: RunSpec,
              progress: Callable[[int], None] | None = None, check: bool = False,
              cost: Any = None) -> RunResult:
+    """One run; with ``spec.instances > 1`` a cluster of them behind ``spec.router``
+    (:func:`fragsim.cluster.run_cluster`, whose result reads the same)."""
+    if spec.instances > 1:
+        from fragsim.cluster import run_cluster
+
+        return run_cluster(trace, allocator_name, spec, spec.instances, spec.router,  # type: ignore[return-value]
+                           progress=progress, check=check, slo_ttft_s=spec.slo_ttft_s,
+                           slo_tpot_s=spec.slo_tpot_s)
     engine = make_engine(trace, allocator_name, spec, progress=progress, check=check, cost=cost)
     t0 = time.perf_counter()
     engine.run()

@@ -62,6 +62,11 @@ class RunSpec:
     prefix_caching: bool = False
     system_prompt_len: int = 0            # tokens of one system prompt before every prompt
     load_scale: int = 1                   # merge this many seeded copies of the trace (K x its rate)
+    # A cluster (fragsim.cluster): this many copies of the deployment behind a router
+    instances: int = 1
+    router: str = "round-robin"           # round-robin, least-loaded or prefix-aware
+    slo_ttft_s: float = 2.0               # goodput: a request meets both SLOs
+    slo_tpot_s: float = 0.1
     # A CPU tier below the GPU pool (vLLM's --kv-offloading-*; fragsim.offload.connector):
     kv_offloading_size: float | None = None   # GiB of host memory, every GPU together; None: no tier
     kv_offloading_policy: str = "lru"         # lru or arc

@@ -105,3 +105,20 @@ def test_bad_cluster_settings_name_the_option() -> None:
         run_cluster(trace, "vllm", run, 2, "random")
     with pytest.raises(FragsimError, match="needs --prefix-caching"):
         run_cluster(trace, "vllm", run, 2, "prefix-aware")
+
+
+def test_the_cli_prints_a_row_per_instance_and_json_carries_them(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from fragsim.cli import main
+
+    assert main(["run", "--num-requests", "300", "--allocator", "vllm", "--instances", "3",
+                 "--router", "least-loaded", "--no-save"]) == 0
+    out = capsys.readouterr().out
+    assert "vllm ×3 least-loaded" in out and "#2" in out and "goodput" in out
+    assert main(["run", "--num-requests", "300", "--allocator", "vllm", "--instances", "3",
+                 "--no-save", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert summary["num_instances"] == 3 and len(summary["instances"]) == 3
+    assert summary["num_requests"] == 300 == sum(i["num_requests"] for i in summary["instances"])
+    assert {"goodput_rps", "mean_ttft_s", "token_states_frac", "prefix_cache_hits"} <= set(summary)

@@ -89,6 +89,32 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=main)
 
 
+def cluster_note(s: dict[str, Any]) -> str:
+    """One line on a cluster: its router, goodput, balance, and the router's estimate."""
+    line = (f"{s['allocator']}: {s['num_instances']} instances, {s['router']} router; goodput "
+            f"{s['goodput_rps']:,.2f} req/s (TTFT ≤ {s['slo_ttft_s']:g} s and TPOT ≤ {s['slo_tpot_s']:g} s) "
+            f"of {s['throughput_requests_per_s']:,.2f}; busiest instance {s['load_imbalance']:.2f}× the "
+            f"mean requests")
+    if s.get("router_estimated_hit_tokens") is not None:
+        found = s["prefix_cache_hits"] + s.get("external_prefix_cache_hits", 0)
+        line += (f"; the router expected {s['router_estimated_hit_tokens']:,} prefix tokens cached, "
+                 f"the instances found {found:,}")
+    return line
+
+
+def table_rows(results: list[Any]) -> list[dict[str, Any]]:
+    """The table's rows: one per run; a cluster's total, then a row per instance."""
+    rows = []
+    for r in results:
+        s = r.summary
+        if "instances" not in s:
+            rows.append(s)
+            continue
+        rows.append({**s, "allocator": f"{s['allocator']} ×{s['num_instances']} {s['router']}"})
+        rows += [{**inst, "allocator": f"  #{inst['instance']}"} for inst in s["instances"]]
+    return rows
+
+
 def tier_notes(s: dict[str, Any]) -> list[str]:
     """Lines on a run's offload tiers: hits past the GPU, then each tier's blocks, where
     its bytes went and what it moved."""
@@ -177,11 +203,14 @@ def main(args: argparse.Namespace) -> int:
         out = Console(width=240 if any("padding_frac" in r.summary or r.summary.get("tiers")
                                        for r in results) else 200)
     s0 = results[0].summary
-    pool = (f"KV pool {s0['capacity_slots']:,} slots" if s0["capacity_slots"] is not None
-            else f"KV pool {s0['kv_pool_bytes'] / 2**30:,.2f} GiB")
+    inst = s0["instances"][0] if "instances" in s0 else s0
+    pool = (f"KV pool {inst['capacity_slots']:,} slots" if inst["capacity_slots"] is not None
+            else f"KV pool {inst['kv_pool_bytes'] / 2**30:,.2f} GiB")
+    if "instances" in s0:
+        pool = f"{s0['num_instances']} instances, each a {pool}"
     title = (f"{trace.name}: {len(trace):,} requests on {spec.model} / {spec.gpu} (tp={spec.tp}), "
              f"{pool}, max-seq-len {spec.max_seq_len:,}; step times: {cost_name}")
-    out.print(comparison_table([r.summary for r in results], title))
+    out.print(comparison_table(table_rows(results), title))
     notes = []
     if s0["num_refused_too_long"]:
         notes.append(f"{s0['num_refused_too_long']:,} requests longer than --max-seq-len "
@@ -200,6 +229,8 @@ def main(args: argparse.Namespace) -> int:
                          f"({s['prefix_cache_hits']:,} of {s['prefix_cache_queries']:,} tokens); "
                          f"{s['num_prefill_tokens']:,} prompt tokens computed")
         notes += tier_notes(s)
+        if "instances" in s:
+            notes.append(cluster_note(s))
         if s["vmm_tokens_per_page"]:
             notes.append(f"{s['allocator']}: {s['vmm_tokens_per_page']} tokens a page; page tails hold "
                          f"nothing: {s['page_tail_bytes'] / 2**20:,.1f} MiB of the pool")

@@ -132,6 +132,20 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
                    help="the disk's write bandwidth (default 2)")
     g.add_argument("--kv-offloading-disk-threads", type=positive_int, default=4, metavar="N",
                    help="disk I/O threads: N jobs at once, each at 1/N of the bandwidth (default 4)")
+    g = p.add_argument_group("cluster")
+    g.add_argument("--instances", type=positive_int, default=1, metavar="N",
+                   help="N copies of the deployment behind a router, each with its own KV pool "
+                        "(default 1: one engine)")
+    g.add_argument("--router", choices=("round-robin", "least-loaded", "prefix-aware"),
+                   default="round-robin",
+                   help="how requests are spread: round-robin; least-loaded (4 × waiting + running, "
+                        "vLLM's data-parallel score); prefix-aware (llm-d style: the prompt's share "
+                        "in the router's index of each instance's cache 2, queue 1, KV use 1; "
+                        "needs --prefix-caching) (default round-robin)")
+    g.add_argument("--slo-ttft", type=positive_float, default=2.0, metavar="S",
+                   help="goodput counts requests whose time to first token is at most S (default 2)")
+    g.add_argument("--slo-tpot", type=positive_float, default=0.1, metavar="S",
+                   help="... and whose time per output token is at most S (default 0.1)")
     g = p.add_argument_group("cost model")
     g.add_argument("--cost-model", default="auto", metavar="NAME|FILE",
                    help="step times: auto (a fitted preset for the model and GPU if one exists, "
@@ -175,6 +189,10 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         prefix_caching=getattr(args, "prefix_caching", False),
         system_prompt_len=getattr(args, "system_prompt_len", 0),
         load_scale=getattr(args, "load_scale", 1),
+        instances=getattr(args, "instances", 1),
+        router=getattr(args, "router", "round-robin"),
+        slo_ttft_s=getattr(args, "slo_ttft", 2.0),
+        slo_tpot_s=getattr(args, "slo_tpot", 0.1),
         kv_offloading_size=getattr(args, "kv_offloading_size", None),
         kv_offloading_policy=getattr(args, "kv_offloading_policy", "lru"),
         kv_offloading_block_size=getattr(args, "kv_offloading_block_size", None),

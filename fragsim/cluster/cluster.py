@@ -140,6 +140,12 @@ def _route(env: simpy.Environment, arrival: np.ndarray, engines: list[Any], poli
 _SPLIT = ("token_states", "reservation", "internal_fragmentation", "free")
 
 
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return bool(a == b)
+
+
 def _cluster_summary(allocator: str, engines: list[Any], results: list[Any], wall: float, router: str,
                      slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:
     """The cluster's figures under the keys of one run: counts summed, the split over
@@ -174,6 +180,13 @@ def _cluster_summary(allocator: str, engines: list[Any], results: list[Any], wal
     for q in _SPLIT:
         summary[f"{q}_frac"] = means[q] / cap if cap else 0.0
     summary["store_pending_frac"] = held / cap if cap else 0.0
+    if per[0].get("mean_token_states_slots") is not None:
+        for q in _SPLIT:
+            summary[f"mean_{q}_slots"] = means[q]
+    shared = sum(e.rec.mean_shared() for e in engines)
+    physical = cap - means["free"]
+    summary["mean_shared_slots"] = shared
+    summary["blocks_saved_frac"] = shared / (physical + shared) if physical + shared > 0 else 0.0
     queries, hits = summary.get("prefix_cache_queries", 0), summary.get("prefix_cache_hits", 0)
     summary.update({
         "prefix_cache_hit_rate": hits / queries if queries else 0.0,
@@ -202,6 +215,13 @@ def _cluster_summary(allocator: str, engines: list[Any], results: list[Any], wal
         "wall_time_s": wall,
         "instances": per,
     })
+    # Other keys of one run: the instances' common value, or None where they differ
+    # (a per-instance figure that does not add up; see "instances").
+    for key in per[0]:
+        if key not in summary:
+            values = [s[key] for s in per]
+            same = all(_equal(v, values[0]) for v in values[1:])
+            summary[key] = values[0] if same else None
     assert int((requests["status"] == "finished").sum()) == sum(
         int((e.requests.status == FINISHED).sum()) for e in engines)
     return summary

@@ -292,7 +292,8 @@ def command_line(study: Study, scale: float, min_requests: int | None = None,
 def _flat(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested summary keys (a hybrid run's ``by_kind``, ``by_row``; the ``tiers`` list,
     by tier name) as columns ``by_kind.<kind>.<key>``, ``tiers.cpu.<key>``, so that a
-    study's table is flat and comparable."""
+    study's table is flat and comparable. A cluster's ``instances`` list is left out:
+    a point's row is the cluster's total."""
     out: dict[str, Any] = {}
     for key, value in summary.items():
         if isinstance(value, dict):
@@ -301,6 +302,8 @@ def _flat(summary: dict[str, Any], prefix: str = "") -> dict[str, Any]:
             for entry in value:
                 out.update(_flat({k: v for k, v in entry.items() if k != "name"},
                                  f"{prefix}{key}.{entry['name']}."))
+        elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            continue  # a cluster's instances: the point's row is the cluster's total
         else:
             out[f"{prefix}{key}"] = value
     return out
