@@ -273,3 +273,37 @@ def test_log_axes_label_swept_values_and_one_two_five() -> None:
     _log_x(ax, pd.Series([0.01, 0.3, 3.0, 0.3]))
     assert ax.get_xscale() == "log"
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0.01", "0.3", "3"]
+
+
+def test_a_row_without_x_or_group_is_a_dashed_reference_line() -> None:
+    """A case without the swept thing (no offload tier in a sweep of tier sizes) draws as a
+    dashed horizontal line at its value, named by its case, in lines and bars figures."""
+    import math
+
+    import pandas as pd
+
+    from fragsim.studies.schema import FigureSpec
+
+    table = pd.DataFrame({
+        "case": ["no tier", "CPU tier", "CPU tier"],
+        "kv_offloading_size": [math.nan, 64.0, 256.0],
+        "kv_offloading_backend": ["native", "native", "native"],
+        "allocator": ["vllm"] * 3,
+        "mean_ttft_s": [0.5, 0.5, 0.4],
+        "tiers.cpu.free_frac": [math.nan, 0.1, 0.2],
+    })
+    lines = draw(FigureSpec("lines", "a.png", x="kv_offloading_size",
+                            y=("mean_ttft_s", "tiers.cpu.free_frac"), group="case", logx=True), table, None)
+    ttft, free = lines.axes[:2]
+    reference = [line for line in ttft.get_lines() if line.get_label() == "no tier"]
+    assert len(reference) == 1 and reference[0].get_linestyle() == "--"
+    assert list(reference[0].get_ydata()) == [0.5, 0.5]
+    (tier,) = [line for line in ttft.get_lines() if line.get_label() == "CPU tier"]
+    assert list(tier.get_xdata()) == [64.0, 256.0]
+    assert [line.get_label() for line in free.get_lines()] == ["CPU tier"]  # no value: no line
+    assert list(free.get_lines()[0].get_ydata()) == [10.0, 20.0]  # a tier split in percent
+    bars = draw(FigureSpec("bars", "b.png", x="kv_offloading_backend", y=("mean_ttft_s",),
+                           group="kv_offloading_size"), table, None)
+    ax = bars.axes[0]
+    assert [p.get_height() for p in ax.patches] == [0.5, 0.4]  # one bar per tier size
+    assert [line.get_label() for line in ax.get_lines()] == ["no tier"]

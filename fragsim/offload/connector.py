@@ -664,7 +664,14 @@ class OffloadConnector:
         if ends:
             return min(ends)
         waits = [job.ready + job.seconds for job in self._inflight]
-        return min(waits) if waits else None
+        if not waits:
+            return None
+        # A job still queued for a later phase may be later than its bound: then the
+        # next event of the environment (a phase ending) is the earliest change.
+        earliest = min(waits)
+        if earliest <= self.now and self.env is not None:
+            earliest = max(earliest, float(self.env.peek()))
+        return earliest
 
     def poll(self, now: float, free: Callable[[int], Any]) -> tuple[list[int], bool]:
         """Complete the transfers that landed by ``now``: returns the requests whose loads

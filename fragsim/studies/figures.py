@@ -11,6 +11,11 @@
 ``timeseries``  a time-series column (e.g. ``external_fragmentation_ratio``)
                 against simulated time, one line per ``group`` value.
 
+A row with no value in a ``lines`` figure's ``x`` column or a ``bars`` figure's
+``group`` column (a case without the swept thing: no offload tier in a sweep of
+tier sizes) is a *reference*: a dashed horizontal line at its value across the
+panel, named by its case.
+
 Figures are built on ``matplotlib.figure.Figure`` directly, not pyplot, so they
 need no backend and leave no global state: the sweep saves them, a notebook
 displays them.
@@ -93,12 +98,32 @@ LABELS: dict[str, str] = {
     "padding_frac": "padding (% of KV)",
     "out_of_window_frac": "out of window (% of KV)",
     "allocator": "",
+    # offload tiers (fragsim.offload)
+    "kv_offloading_size": "CPU tier (GiB)",
+    "kv_offloading_disk_size": "disk tier (GiB)",
+    "kv_offloading_backend": "offload backend",
+    "kv_offloading_policy": "tier eviction policy",
+    "kv_offloading_disk_threads": "disk I/O threads",
+    "external_prefix_cache_hits": "found in the tiers (tokens)",
+    "store_pending_frac": "GPU held for pending stores (% of KV)",
+    "tiers.cpu.hits_tokens": "found in the CPU tier (tokens)",
+    "tiers.disk.hits_tokens": "found on disk (tokens)",
+    "tiers.cpu.mean_load_wait_s": "load wait, mean (s)",
+    "tiers.cpu.cached_hit_later_frac": "CPU tier: cached, hit later (%)",
+    "tiers.cpu.cached_never_hit_frac": "CPU tier: cached, never hit again (%)",
+    "tiers.cpu.chunk_tail_frac": "CPU tier: chunk tails (%)",
+    "tiers.cpu.free_frac": "CPU tier: free (%)",
+    "tiers.cpu.store_time_s": "host link busy with stores (s)",
+    "workload_think_time": "think time between turns (s)",
 }
 
 #: fractions drawn as percentages
 PERCENT = {"token_states_frac", "reservation_frac", "internal_fragmentation_frac", "free_frac",
            "padding_frac", "out_of_window_frac",
-           "refusal_rate", "blocks_saved_frac", "prefix_cache_hit_rate"}
+           "refusal_rate", "blocks_saved_frac", "prefix_cache_hit_rate", "store_pending_frac",
+           *(f"tiers.{tier}.{part}_frac" for tier in ("cpu", "disk")
+             for part in ("cached_hit_later", "cached_never_hit", "write_pending", "read_pending",
+                          "chunk_tail", "swapped", "free"))}
 
 
 def draw(spec: FigureSpec, table: pd.DataFrame, timeseries: pd.DataFrame | None,
@@ -175,6 +200,27 @@ def _style(group: str, value: Any, index: int) -> dict[str, Any]:
 
 def _groups(table: pd.DataFrame, group: str) -> list[Any]:
     return list(dict.fromkeys(table[group].tolist()))
+
+
+def _split_references(table: pd.DataFrame, column: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(reference rows: no value in ``column``, the other rows)."""
+    missing = table[column].isna().to_numpy()
+    return table[missing], table[~missing]
+
+
+_REFERENCE_STYLES = ("--", ":", "-.")
+
+
+def _draw_references(ax: Any, references: pd.DataFrame, y: str, spec: FigureSpec) -> None:
+    """Each reference row as a dashed horizontal line at its ``y``, named by its case."""
+    for i, (_, row) in enumerate(references.iterrows()):
+        value = _values(row.to_frame().T, y)[0]
+        if not np.isfinite(value):
+            continue
+        case = str(row["case"]) if "case" in row and row["case"] else None
+        label = case or _style(spec.group, row[spec.group], 0)["label"]
+        ax.axhline(value, color="#4a5568", linewidth=1.2, label=label,
+                   linestyle=_REFERENCE_STYLES[i % len(_REFERENCE_STYLES)])
 
 
 def _values(frame: pd.DataFrame, column: str) -> np.ndarray:
@@ -287,6 +333,7 @@ def _split_bars(spec: FigureSpec, table: pd.DataFrame) -> Figure:
 def _lines(spec: FigureSpec, table: pd.DataFrame) -> Figure:
     assert spec.x is not None
     panels = _panels(table, spec.panels)
+    references, table = _split_references(table, spec.x)
     groups = _groups(table, spec.group)
     # One row per y column and one column per panel, or the transpose when there
     # are more y columns than panels, so that the figure stays landscape.
@@ -301,6 +348,7 @@ def _lines(spec: FigureSpec, table: pd.DataFrame) -> Figure:
                 if len(line):
                     ax.plot(line[spec.x].to_numpy(dtype=np.float64), _values(line, y),
                             markersize=4, linewidth=1.4, **_style(spec.group, g, i))
+            _draw_references(ax, _select(references, spec.panels, values), y, spec)
             if spec.logx:
                 _log_x(ax, table[spec.x])
             _finish(ax, spec)
@@ -331,11 +379,13 @@ def _log_x(ax: Axes, x: pd.Series) -> None:
 def _bars(spec: FigureSpec, table: pd.DataFrame) -> Figure:
     assert spec.x is not None
     panels = _panels(table, spec.panels)
+    references, table = _split_references(table, spec.group)
     groups = _groups(table, spec.group)
     fig, axes = _grid(len(panels), len(spec.y), width=3.2)
     width = 0.8 / len(groups)
     for r, values in enumerate(panels):
         sub = _select(table, spec.panels, values)
+        refs = _select(references, spec.panels, values)
         _one_per(sub, [spec.x, spec.group], spec)
         categories = list(dict.fromkeys(sub[spec.x].tolist()))
         for c, y in enumerate(spec.y):
@@ -348,6 +398,7 @@ def _bars(spec: FigureSpec, table: pd.DataFrame) -> Figure:
                 bars = ax.bar(xs, heights, width=width * 0.95, color=style["color"], label=style["label"])
                 if len(groups) <= 3:  # more labels than that overlap
                     ax.bar_label(bars, fmt=_bar_value, fontsize=6, padding=1)
+            _draw_references(ax, refs, y, spec)
             ax.set_xticks(np.arange(len(categories)), [_tick(spec.x, v) for v in categories], fontsize=8)
             ax.set_title(_label(y) + (f"\n{_panel_title(spec.panels, values)}" if spec.panels else ""),
                          fontsize=9)

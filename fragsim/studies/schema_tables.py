@@ -12,7 +12,7 @@ from typing import Any
 
 from fragsim.studies.schema_study import Case, FigureSpec, Study, case_workload
 from fragsim.studies.schema_values import _axes, _no_unknown, _params, _required, _typed, _Where
-from fragsim.studies.workloads import check_workload
+from fragsim.studies.workloads import TIMED_KINDS, check_workload
 
 FIGURE_KINDS = ("split_bars", "lines", "bars", "timeseries")
 FIGURE_KEYS = {"kind", "file", "title", "x", "y", "panels", "group", "logx", "logy",
@@ -131,6 +131,10 @@ def _check_trace_source(where: _Where, study: Study) -> None:
                 check_workload(workload, partial=False)
             except ValueError as exc:
                 raise where.error(table, "workload", str(exc)) from None
+            if workload["kind"] in TIMED_KINDS and ("rate" in params or "rate" in axes):
+                raise where.error(table if "rate" in params else "[sweep]", "rate",
+                                  f"a {workload['kind']} workload carries its own arrival times; "
+                                  "drop rate (its [workload] parameters set the pace)")
         for key, values in axes.items():
             if not key.startswith("workload."):
                 continue

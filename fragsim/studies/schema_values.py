@@ -15,6 +15,8 @@ from typing import Any
 
 from fragsim.costmodel import COST_MODELS
 from fragsim.errors import FragsimError
+from fragsim.offload.connector import BACKENDS as OFFLOAD_BACKENDS
+from fragsim.offload.policies import POLICIES as OFFLOAD_POLICIES
 from fragsim.simulate import RunSpec
 
 #: RunSpec fields a study may set, with their types (the seed lives in [study])
@@ -31,6 +33,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "cost_model": COST_MODELS,
     "fit": ("first", "best"),
     "reserve": ("max", "pow2", "oracle"),
+    "kv_offloading_backend": OFFLOAD_BACKENDS,
+    "kv_offloading_policy": tuple(OFFLOAD_POLICIES),
 }
 
 

@@ -3,7 +3,7 @@
 The seed cases give request lengths as summary statistics ("average 180 tokens,
 P99 450"; "mostly 200-300 tokens, occasionally 1,500"), not as traces. A study's
 ``[workload]`` table names a *kind* and its parameters; :func:`build_trace` turns
-it into a seeded trace. Two kinds:
+it into a seeded trace. Three kinds:
 
 ``lognormal``: total length ``T = max(2, ceil(X))``, ``X ~ LogNormal(mu, sigma)``
 fitted to a mean and a 99th percentile. With ``z = 2.3263`` (the standard normal
@@ -24,6 +24,18 @@ Either way a request's prompt is ``round(prompt_frac * T)`` (at least 1) and its
 output the rest (at least 1). Arrivals come from the run's ``rate`` (Poisson or
 Gamma, as for length-only traces); with no rate every request arrives at 0.0,
 a burst, which is what "20 requests queued" means.
+
+``sessions``: multi-turn chat sessions, as ``fragsim trace sessions`` writes them
+(:func:`fragsim.traces.sessions.make_sessions`, seeded with the study's seed): each
+turn's prompt is the whole conversation so far plus a new message, with content
+hashes, so prefix caching and the offload tiers find the earlier turns. The
+parameters are :class:`~fragsim.traces.sessions.SessionSpec`'s (``think_time`` in
+seconds; ``lengths`` a synthetic workload such as ``sharegpt-paper`` or a bundled
+trace). Sessions carry their own arrival times (session starts at
+``session_rate``, turns ``think_time`` apart), so a run's ``rate`` is refused and
+never re-times them. ``num_requests`` (1000 unless set, scaled by ``--scale``)
+keeps the first that many requests in arrival order, at most all of them: the
+late turns of sessions cut off there are not replayed.
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from fragsim.errors import FragsimError
 from fragsim.traces import Trace, assign_arrivals
 
 Z99 = 2.3263478740408408  # standard normal 99th percentile
@@ -45,8 +58,10 @@ _REQUIRED = object()
 class WorkloadKind:
     description: str
     params: Mapping[str, tuple[str, Any]]   # name -> (type, default or _REQUIRED)
-    lengths: Callable[[Mapping[str, Any], int, np.random.Generator], np.ndarray]
+    lengths: Callable[[Mapping[str, Any], int, np.random.Generator], np.ndarray] | None
     check: Callable[[Mapping[str, Any]], None]
+    #: a kind that makes a whole trace, arrival times included (sessions): its builder
+    trace: Callable[[Mapping[str, Any], int, int], Trace] | None = None
 
 
 def lognormal_params(mean_tokens: float, p99_tokens: float) -> tuple[float, float]:
@@ -96,6 +111,48 @@ def _check_longtail(p: Mapping[str, Any]) -> None:
         raise ValueError(f"long_frac: must be in [0, 1], got {p['long_frac']}")
 
 
+def _session_spec(p: Mapping[str, Any], seed: int) -> Any:
+    from fragsim.traces.sessions import SessionSpec
+
+    return SessionSpec(num_sessions=p["num_sessions"], session_rate=p["session_rate"],
+                       turns_mean=p["turns_mean"], max_turns=p["max_turns"],
+                       think_time_s=p["think_time"], lengths=p["lengths"],
+                       system_prompt_len=p["system_prompt_len"], max_len=p["max_len"], seed=seed)
+
+
+def _check_sessions(p: Mapping[str, Any]) -> None:
+    from fragsim.traces import BUNDLED_TRACES, WORKLOADS
+
+    # SessionSpec's own checks, worded by the table's names
+    for name, ok, what in (
+            ("num_sessions", p["num_sessions"] >= 1, ">= 1"),
+            ("session_rate", p["session_rate"] > 0, "> 0 (sessions per second)"),
+            ("turns_mean", p["turns_mean"] >= 1, ">= 1"),
+            ("max_turns", p["max_turns"] >= 1, ">= 1"),
+            ("think_time", p["think_time"] >= 0, ">= 0 (seconds)"),
+            ("system_prompt_len", p["system_prompt_len"] >= 0, ">= 0 (tokens)"),
+            ("max_len", p["max_len"] is None or p["max_len"] >= 2, ">= 2 (tokens)")):
+        if not ok:
+            raise ValueError(f"{name}: must be {what}, got {p[name]}")
+    lengths = p["lengths"]
+    if lengths not in WORKLOADS and lengths not in BUNDLED_TRACES:
+        raise ValueError(f"lengths: expected a synthetic workload ({', '.join(WORKLOADS)}) "
+                         f"or a bundled trace ({', '.join(BUNDLED_TRACES)}), got {lengths!r}")
+
+
+def _sessions_trace(p: Mapping[str, Any], num_requests: int, seed: int) -> Trace:
+    from fragsim.traces import slice_trace
+    from fragsim.traces.sessions import make_sessions
+
+    try:
+        trace = make_sessions(_session_spec(p, seed)).trace
+    except FragsimError as exc:  # e.g. no turn fits in max_len
+        raise FragsimError(f"workload sessions: {exc}") from None
+    if num_requests < len(trace):
+        trace = slice_trace(trace, num_requests=num_requests)
+    return trace
+
+
 WORKLOAD_KINDS: dict[str, WorkloadKind] = {
     "lognormal": WorkloadKind(
         "total length log-normal with a given mean and p99 (tokens)",
@@ -107,7 +164,18 @@ WORKLOAD_KINDS: dict[str, WorkloadKind] = {
         {"short_tokens": ("pair", _REQUIRED), "long_tokens": ("int", _REQUIRED),
          "long_frac": ("float", _REQUIRED), "prompt_frac": ("float", 0.5)},
         _longtail_lengths, _check_longtail),
+    "sessions": WorkloadKind(
+        "multi-turn chat sessions with content hashes (fragsim trace sessions); "
+        "their own arrival times",
+        {"num_sessions": ("int", _REQUIRED), "session_rate": ("float", _REQUIRED),
+         "turns_mean": ("float", 4.0), "max_turns": ("int", 50), "think_time": ("float", 30.0),
+         "lengths": ("str", "sharegpt-paper"), "system_prompt_len": ("int", 0),
+         "max_len": ("int?", None)},
+        None, _check_sessions, trace=_sessions_trace),
 }
+
+#: kinds whose requests carry their own arrival times: a run's ``rate`` may not re-time them
+TIMED_KINDS = tuple(name for name, kind in WORKLOAD_KINDS.items() if kind.trace is not None)
 
 
 def _value_ok(kind: str, value: Any) -> bool:
@@ -120,6 +188,8 @@ def _value_ok(kind: str, value: Any) -> bool:
     if kind == "pair":
         return (isinstance(value, list | tuple) and len(value) == 2
                 and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
+    if kind == "str":
+        return isinstance(value, str)
     raise AssertionError(kind)
 
 
@@ -152,7 +222,7 @@ def check_workload(values: Mapping[str, Any], partial: bool) -> dict[str, Any]:
                 if default is _REQUIRED:
                     raise ValueError(f"{name}: required by workload kind {out['kind']!r}")
                 out[name] = default
-        if not 0.0 < out["prompt_frac"] < 1.0:
+        if "prompt_frac" in out and not 0.0 < out["prompt_frac"] < 1.0:
             raise ValueError(f"prompt_frac: must be in (0, 1), got {out['prompt_frac']}")
         WORKLOAD_KINDS[out["kind"]].check(out)
     return out
@@ -160,8 +230,15 @@ def check_workload(values: Mapping[str, Any], partial: bool) -> dict[str, Any]:
 
 def build_trace(workload: Mapping[str, Any], num_requests: int, seed: int, rate: float | None,
                 arrival: str = "poisson", cv: float = 1.0) -> Trace:
-    """A seeded trace from a checked workload table; arrivals at ``rate`` or all at 0.0."""
+    """A seeded trace from a checked workload table; arrivals at ``rate`` or all at 0.0
+    (a kind with its own arrival times, sessions, takes no ``rate``)."""
     kind = WORKLOAD_KINDS[workload["kind"]]
+    if kind.trace is not None:
+        if rate is not None:
+            raise FragsimError(f"workload {workload['kind']!r} carries its own arrival times; "
+                               f"rate must not be set (got {rate:g})")
+        return kind.trace(workload, num_requests, seed)
+    assert kind.lengths is not None
     length_seed, arrival_seed = np.random.SeedSequence(seed).spawn(2)
     total = kind.lengths(workload, num_requests, np.random.default_rng(length_seed))
     prompt = np.clip(np.rint(total * workload["prompt_frac"]).astype(np.int64), 1, total - 1)
