@@ -76,7 +76,8 @@ def make_offload(trace: Any, allocator_name: str, spec: RunSpec, model: Any, gpu
     """The CPU tier a spec asks for (:mod:`fragsim.offload.connector`), or an error naming
     what it cannot run with."""
     from fragsim.allocators import PRESETS
-    from fragsim.offload.connector import DiskSpec, OffloadConnector, OffloadSpec
+    from fragsim.offload.connector import OffloadConnector
+    from fragsim.offload.spec import DiskSpec, OffloadSpec
 
     placement = PRESETS[allocator_name][0] if allocator_name in PRESETS else allocator_name
     why = None

@@ -90,9 +90,23 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_file(path: str, num_requests: int | None) -> Trace:
+    """A trace file, its loader's warnings printed as ours, cut to its first rows."""
+    from fragsim.traces import load_trace, slice_trace
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trace = load_trace(path)
+    for warning in caught:
+        print(f"fragsim: warning: {warning.message}", file=sys.stderr)
+    if num_requests is not None:
+        trace = slice_trace(trace, num_requests=num_requests)
+    return trace
+
+
 def _resolve(args: argparse.Namespace) -> Trace:
     """The trace TRACE names, with generated arrivals when ``--rate`` asks for them."""
-    from fragsim.traces import WORKLOADS, assign_arrivals, load_trace, make_workload, slice_trace
+    from fragsim.traces import WORKLOADS, assign_arrivals, make_workload
 
     if args.rate is None and (args.arrival is not None or args.cv is not None):
         raise FragsimError("--arrival and --cv describe generated arrivals and need --rate")
@@ -106,13 +120,7 @@ def _resolve(args: argparse.Namespace) -> Trace:
         return make_workload(args.trace, num_requests, args.rate, seed, arrival, cv)
     if args.seed is not None and args.rate is None:
         raise FragsimError("--seed seeds generated arrivals (or a workload) and needs --rate here")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trace = load_trace(args.trace)
-    for warning in caught:
-        print(f"fragsim: warning: {warning.message}", file=sys.stderr)
-    if args.num_requests is not None:
-        trace = slice_trace(trace, num_requests=args.num_requests)
+    trace = load_file(args.trace, args.num_requests)
     if args.rate is not None:
         trace = assign_arrivals(trace, args.rate, arrival, cv, seed)
     return trace

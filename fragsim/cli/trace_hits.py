@@ -12,7 +12,6 @@ import argparse
 import json
 import math
 import sys
-import warnings
 from typing import TYPE_CHECKING
 
 from fragsim.cli.args import positive_int
@@ -71,15 +70,9 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from fragsim.traces import load_trace, slice_trace
+    from fragsim.cli.trace import load_file
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trace = load_trace(args.trace)
-    for warning in caught:
-        print(f"fragsim: warning: {warning.message}", file=sys.stderr)
-    if args.num_requests is not None:
-        trace = slice_trace(trace, num_requests=args.num_requests)
+    trace = load_file(args.trace, args.num_requests)
     if trace.block_hashes is None:
         raise FragsimError(
             f"{args.trace}: the trace has no content hashes, so no request can hit another's "

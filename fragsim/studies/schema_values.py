@@ -15,8 +15,8 @@ from typing import Any
 
 from fragsim.costmodel import COST_MODELS
 from fragsim.errors import FragsimError
-from fragsim.offload.connector import BACKENDS as OFFLOAD_BACKENDS
 from fragsim.offload.policies import POLICIES as OFFLOAD_POLICIES
+from fragsim.offload.spec import BACKENDS as OFFLOAD_BACKENDS
 from fragsim.simulate import RunSpec
 
 #: RunSpec fields a study may set, with their types (the seed lives in [study])
