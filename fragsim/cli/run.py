@@ -228,7 +228,9 @@ def main(args: argparse.Namespace) -> int:
                          f"prefix cache hit {s['prefix_cache_hit_rate']:.1%} "
                          f"({s['prefix_cache_hits']:,} of {s['prefix_cache_queries']:,} tokens); "
                          f"{s['num_prefill_tokens']:,} prompt tokens computed")
-        notes += tier_notes(s)
+        for part in s.get("instances") or [s]:  # a cluster's tiers are its instances'
+            label = f"{s['allocator']} #{part['instance']}" if "instances" in s else s["allocator"]
+            notes += tier_notes({**part, "allocator": label})
         if "instances" in s:
             notes.append(cluster_note(s))
         if s["vmm_tokens_per_page"]:
