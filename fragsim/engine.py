@@ -42,16 +42,16 @@ from typing import Any
 import numpy as np
 import simpy
 
-from fragsim import preemption, request_batching, stretch
+from fragsim import engine_clock, preemption, stretch
 from fragsim.batch import DecodeBatch, Prefill
 from fragsim.beams import BeamSearch
+from fragsim.connector import KVConnector
 from fragsim.costmodel import CostModel
 from fragsim.engine_config import EngineConfig
-from fragsim.engine_views import AddressMapSampler, StepObserver, live_sequences
+from fragsim.engine_views import AddressMapSampler, StepObserver
 from fragsim.kv import as_kv_manager
 from fragsim.kv.protocol import KVManager
 from fragsim.metrics import Recorder
-from fragsim.offload.connector import OffloadConnector
 from fragsim.request_table import (
     BLOCK_BATCH,
     BLOCK_CAP,
@@ -68,15 +68,16 @@ class Engine:
 
     def __init__(self, trace: Any, kv: KVManager | Any, cost_model: CostModel,
                  config: EngineConfig, progress: Callable[[int], None] | None = None,
-                 observer: StepObserver | None = None, offload: OffloadConnector | None = None,
+                 observer: StepObserver | None = None, connector: KVConnector | None = None,
                  prefix_keys: Any = None) -> None:
         if observer is not None and not config.exact_steps:
             raise ValueError("an observer sees every step, so it needs exact_steps=True")
         self.kv: KVManager = as_kv_manager(kv, trace, config, prefix_keys)
         self.kv.validate(config)
         self.observer, self.cfg, self.cost, self.progress = observer, config, cost_model, progress
-        #: a CPU tier below the GPU pool (:mod:`fragsim.offload.connector`); None without
-        self.offload = offload
+        #: KV that comes from or goes elsewhere (:mod:`fragsim.connector`): an offload
+        #: tier, or the other side of prefill/decode disaggregation; None without
+        self.connector = connector
         self.grows = self.kv.grows_on_demand
         self.width = config.width
         self.beams = BeamSearch(config.width, config.beam_theta, config.sharing_seed) \
@@ -94,6 +95,7 @@ class Engine:
         #: an instance of a cluster waits on this when it has nothing to do and its next
         #: request is not routed yet (:mod:`fragsim.cluster`); None: not in a cluster
         self.wake: simpy.Event | None = None
+        self.env: simpy.Environment | None = None  # the environment it runs in (once started)
 
         self.now = float(reqs.arrival[0]) if reqs.N else 0.0
         self.g = 0                      # steps completed
@@ -131,8 +133,8 @@ class Engine:
         reqs.finish_at(req, self.now)
         if self.kv.prefix is not None:
             self.kv.prefix.forget(req)
-        if self.offload is not None:
-            self.offload.finish(req)
+        if self.connector is not None:
+            self.connector.finish(req, self.now)
         if self.progress is not None and reqs.num_done % 256 == 0:
             self.progress(reqs.num_done)
 
@@ -204,7 +206,7 @@ class Engine:
             self.waiting.extendleft(reversed(skipped))  # back at the head, in their order
 
     def _admit(self, skipped: list[int]) -> bool:
-        cfg, kv, width, reqs, offload = self.cfg, self.kv, self.width, self.requests, self.offload
+        cfg, kv, width, reqs, connector = self.cfg, self.kv, self.width, self.requests, self.connector
         prefix = kv.prefix
         running = self.num_running()
         while self.waiting:
@@ -217,7 +219,7 @@ class Engine:
             context = prompt if width > 1 else prompt + int(reqs.generated[req])
             hit = prefix.lookup(req, prompt, context) if prefix is not None else None
             gpu_hit = hit.tokens if hit is not None else 0
-            if offload is not None and offload.probe(req, prompt, context, gpu_hit) is None:
+            if connector is not None and connector.probe(req, prompt, context, gpu_hit) is None:
                 # Part of its hit in a tier is still being written: vLLM skips it this step.
                 skipped.append(self.waiting.popleft())
                 continue
@@ -241,8 +243,8 @@ class Engine:
                 self.num_prefix_queries += context
                 self.num_prefix_hits += done
                 reqs.cached[req] = done
-            if offload is not None:
-                p.loading = offload.start_load(req, prompt, context, done, self.now)
+            if connector is not None:
+                p.loading = connector.start_load(req, prompt, context, done, self.now)
                 if p.loading:
                     continue  # it waits for its load (vLLM: WAITING_FOR_REMOTE_KVS)
             chunk = min(self.budget, context - done)
@@ -250,11 +252,11 @@ class Engine:
             self.budget -= chunk
         return True
 
-    def _poll_offload(self) -> None:
-        """Transfers that landed by now: loaded requests may prefill the rest, and blocks
-        held for stores are freed."""
-        assert self.offload is not None
-        ready, freed = self.offload.poll(self.now, self.kv.free)
+    def _poll_connector(self) -> None:
+        """Transfers that landed by now: loaded requests may prefill the rest, and held
+        blocks are freed."""
+        assert self.connector is not None
+        ready, freed = self.connector.poll(self.now, self.kv.free)
         self.freed |= freed
         if not ready:
             return
@@ -268,7 +270,7 @@ class Engine:
                 self.requests.cached[p.req] += loaded_tokens
                 p.loading = 0
 
-    def _step(self) -> float:
+    def step(self) -> float:
         """One step from ``self.now``: decisions, then its duration. Returns dt."""
         cfg = self.cfg
         self.step_extra = 0.0
@@ -276,8 +278,8 @@ class Engine:
         self.chunks: list[tuple[Prefill, int]] = []
         self.pull_arrivals()
         self.expire_waiting()
-        if self.offload is not None:
-            self._poll_offload()
+        if self.connector is not None:
+            self._poll_connector()
         if self.grows:
             self._grow_decoders()
         self.budget = cfg.num_batched_tokens - self.batch.n
@@ -308,7 +310,7 @@ class Engine:
                 dt = float(self.cost.decode_step_times(n, np.array([decode_context]))[0])
         else:
             return 0.0
-        self._record_step(dt, decode_context)
+        self.record_step(dt, decode_context)
         if cfg.check:
             self.check()
         if self.observer is not None:
@@ -322,15 +324,15 @@ class Engine:
                       and (head_blocked or not self.waiting) and (swapped_blocked or not self.swapped))
         return dt
 
-    def _record_step(self, dt: float, decode_context: int) -> None:
+    def record_step(self, dt: float, decode_context: int) -> None:
         """The split held during this step (``decode_context``: tokens the decode rows hold)."""
         stored = decode_context
         if self.prefilling:
             stored += sum(p.done for p in self.prefilling)
         if self.kv.shared_slots:
             stored -= self.duplicate_stored()
-        if self.offload is not None:
-            held_stored, self.rec.held = self.offload.held_slots(self.kv, self.requests.final)
+        if self.connector is not None:
+            held_stored, self.rec.held = self.connector.held_slots(self.kv, self.requests.final)
             stored += held_stored
         self.kv.record(self.rec, self.now, dt, stored, self, self.num_running(),
                        len(self.waiting) + len(self.swapped))
@@ -349,8 +351,8 @@ class Engine:
             req = p.req
             if prefix is not None:
                 prefix.cache(req, int(reqs.prompt[req]), p.done)
-            if self.offload is not None:
-                self.offload.store(req, int(reqs.prompt[req]), p.done, self.now)
+            if self.connector is not None:
+                self.connector.store(req, int(reqs.prompt[req]), p.done, self.now)
             if p.done < p.target:
                 continue
             self.prefilling.remove(p)
@@ -367,10 +369,10 @@ class Engine:
             return  # no row completes in this step
         done = (b.offset[: b.n] + g >= b.final[: b.n]).nonzero()[0]
         if len(done):
-            status, free, offload = reqs.status, self.kv.free, self.offload
+            status, free, connector = reqs.status, self.kv.free, self.connector
             for req, seq in zip(b.req[done].tolist(), b.seq[done].tolist(), strict=True):
-                if offload is not None and offload.must_hold(req):
-                    offload.hold(req, seq)  # its stores read these blocks: freed when they land
+                if connector is not None and connector.must_hold(req):
+                    connector.hold(req, seq)  # its stores read these blocks: freed when they land
                 else:
                     free(seq)
                 if self.beams is not None:
@@ -382,70 +384,22 @@ class Engine:
 
     # ------------------------------------------------------------------ driver
 
-    def _idle_until_next_arrival(self) -> float:
-        """Nothing to compute: the clock moves to the next arrival, or to the next
-        transfer landing when an offload tier has one in flight."""
-        reqs = self.requests
-        target = reqs.next_arrival()
-        if self.offload is not None:
-            landing = self.offload.next_done()
-            if landing is not None:
-                target = min(target, max(landing, self.now))
-        if target == math.inf:
-            return 0.0
-        dt = target - self.now
-        if dt > 0:
-            if self.offload is not None:
-                self._record_step(dt, 0)
-            else:
-                self.kv.record(self.rec, self.now, dt, 0, self, 0, len(self.waiting))
-        self.now = target
-        return dt
+    def poke(self) -> None:
+        """Something changed for an instance that may be idle: it looks again."""
+        if self.wake is not None and not self.wake.triggered:
+            self.wake.succeed()
 
-    def _process(self, env: simpy.Environment):  # type: ignore[no-untyped-def]
-        static = self.cfg.batching == "static"
-        step, jump = (request_batching.static_step, request_batching.static_jump) if static \
-            else (Engine._step, stretch.jump)
-        reqs, offload = self.requests, self.offload
-        while not reqs.all_done():
-            dt = (0.0 if offload is not None and offload.busy else jump(self)) or step(self)
-            if not dt:
-                busy = self.num_running() or self.waiting or self.swapped
-                in_flight = offload is not None and offload.busy
-                if busy and reqs.next_arrival() == math.inf and not in_flight and reqs.routing_done:
-                    raise RuntimeError(
-                        f"scheduler stalled at t={self.now:.3f}s with {len(self.waiting)} waiting and "
-                        f"nothing running; this is a bug (please report the configuration)")
-                dt = self._idle_until_next_arrival()
-                if not dt and not busy and not in_flight:
-                    if reqs.next_arrival() == math.inf and not reqs.routing_done:
-                        yield from self._wait_for_routing(env)
-                    continue
-            self.num_events += 1
-            if self.address_sampler.due(self.now):
-                self.address_sampler.sample(self.now, {s.seq_id: s.filled for s in live_sequences(self)})
-            yield env.timeout(max(0.0, self.now - env.now))
-
-    def _wait_for_routing(self, env: simpy.Environment):  # type: ignore[no-untyped-def]
-        """Idle until the cluster's router sends a request here (or routes its last)."""
-        self.wake = env.event()
-        yield self.wake
-        self.wake = None
-        dt = env.now - self.now
-        if dt > 0:
-            self.kv.record(self.rec, self.now, dt, 0, self, 0, len(self.waiting))
-        self.now = max(self.now, float(env.now))
-
-    def start(self, env: simpy.Environment) -> None:
+    def start(self, env: simpy.Environment) -> simpy.Process:
         """Run as a process of ``env`` (a cluster runs its instances in one environment)."""
-        if self.offload is not None:
-            self.offload.bind(env)
-        env.process(self._process(env))
+        self.env = env
+        if self.connector is not None:
+            self.connector.bind(env)
+        return env.process(engine_clock.process(self, env))
 
     def finish_run(self) -> None:
         """The run is over: close what integrates over time, report the last progress."""
-        if self.offload is not None:
-            self.offload.close(self.now)
+        if self.connector is not None:
+            self.connector.close(self.now)
         if self.progress is not None:
             self.progress(self.requests.num_done)
 
@@ -484,7 +438,7 @@ class Engine:
             assert kv.room(seq) == b.room[row], f"seq {seq}: the engine's room is not the KV manager's"
             assert int(b.offset[row]) + g <= b.final[row] or self.cfg.batching == "static"
         kv.check(self)
-        if self.offload is not None:
-            self.offload.check()
+        if self.connector is not None:
+            self.connector.check()
         for fn in self.checks:
             fn(self)

@@ -32,8 +32,8 @@ def preempt_latest(engine: Engine) -> int:
     if pre is not None and pre.req > cand:
         reqs.cached[pre.req] = 0  # its next placement finds the cache anew
         engine.prefilling.remove(pre)
-        if pre.loading and engine.offload is not None:
-            engine.offload.cancel(pre.req)
+        if pre.loading and engine.connector is not None:
+            engine.connector.cancel(pre.req)
         held = sum(kv.free(seq) for seq in pre.seqs)
         requeue(engine, pre.req, 0, held)
         return pre.req
@@ -78,8 +78,9 @@ def requeue(engine: Engine, req: int, filled: int, held: int) -> None:
 def _room_to_swap(engine: Engine, held: int) -> bool:
     """Take host memory for ``held`` slots: from the CPU offload tier when there is one
     (one host pool), else from the swap space."""
-    if engine.offload is not None:
-        return engine.offload.swap_out(held, engine.now)
+    pool = engine.connector.host_pool if engine.connector is not None else None
+    if pool is not None:
+        return pool.swap_out(held, engine.now)
     if engine.swap_used + held > engine.cfg.swap_space_slots:
         return False
     engine.swap_used += held
@@ -96,8 +97,9 @@ def resume_swapped(engine: Engine) -> None:
         if admitted is None:
             return
         engine.swapped.popleft()
-        if engine.offload is not None:
-            engine.offload.swap_in(cpu_slots, engine.now)
+        pool = engine.connector.host_pool if engine.connector is not None else None
+        if pool is not None:
+            pool.swap_in(cpu_slots, engine.now)
         else:
             engine.swap_used -= cpu_slots
         engine.batch.add(req, filled, engine.g, admitted.rooms[0], final)

@@ -125,6 +125,8 @@ def comparison_table(summaries: Sequence[dict[str, Any]], title: str) -> Any:
         ("free", "free_frac", "pct"),
         *([("held for stores", "store_pending_frac", "pct")] if any(s.get("tiers") for s in summaries)
           else []),
+        *([("held to send", "kv_sending_frac", "pct")] if any("kv_sending_frac" in s for s in summaries)
+          else []),
         ("ext. frag mean/peak", None, "ext"),
         ("running mean/peak", None, "run"),
         ("blocked frag/cap", None, "blocked"),

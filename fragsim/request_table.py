@@ -68,6 +68,11 @@ class RequestTable:
         #: rows are routed as they arrive (a router that reads the instances' state)
         self.dynamic = False
         self.routing_done = True
+        #: rows handed in after their arrival (a decode instance's, once their prefill
+        #: ran elsewhere), in the order they came; they join the queue at the next pull
+        self.handed_in: deque[int] = deque()
+        #: rows may be handed in at any time (a stretch stops at the cluster's next event)
+        self.takes_hand_ins = False
 
     # -- a cluster's instance --------------------------------------------------------
 
@@ -88,6 +93,12 @@ class RequestTable:
         assert self.mine is not None and self.dynamic
         self.mine[req] = True
         self.num_mine += 1
+
+    def hand_in(self, req: int) -> None:
+        """``req`` comes here now, past its arrival: it joins the queue at the next pull."""
+        assert self.mine is not None and self.dynamic and not self.mine[req]
+        self.num_mine += 1
+        self.handed_in.append(req)
 
     def all_done(self) -> bool:
         """Every row that comes here is finished or refused (and no more will come)."""
@@ -139,11 +150,20 @@ class RequestTable:
             if mine is not None and not mine[req]:
                 continue  # routed to another instance
             self.num_arrived += 1
-            if self.servable[req]:
-                self.status[req] = WAITING
-                waiting.append(req)
-            else:
-                self.refuse(req, int(self.refused[req]), now)
+            self._join(req, waiting, now)
+        while self.handed_in:  # each arrived before now: the scan above passed it
+            req = self.handed_in.popleft()
+            assert self.mine is not None and req < self.next_row
+            self.mine[req] = True
+            self.num_arrived += 1
+            self._join(req, waiting, now)
+
+    def _join(self, req: int, waiting: deque[int], now: float) -> None:
+        if self.servable[req]:
+            self.status[req] = WAITING
+            waiting.append(req)
+        else:
+            self.refuse(req, int(self.refused[req]), now)
 
     def expire(self, waiting: deque[int], now: float, timeout: float) -> deque[int]:
         """``waiting`` less the requests refused for waiting past ``timeout`` (a preempted

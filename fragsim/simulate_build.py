@@ -171,6 +171,7 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
     if spec.kv_offloading_size is not None:
-        engine.offload = make_offload(trace, allocator_name, spec, model, gpu, _gpu_keys(engine.kv))
-        engine.offload.watch(getattr(engine.kv, "alloc", None))
+        tier = make_offload(trace, allocator_name, spec, model, gpu, _gpu_keys(engine.kv))
+        tier.watch(getattr(engine.kv, "alloc", None))
+        engine.connector = tier
     return engine

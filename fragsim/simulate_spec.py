@@ -67,6 +67,13 @@ class RunSpec:
     router: str = "round-robin"           # round-robin, least-loaded or prefix-aware
     slo_ttft_s: float = 2.0               # goodput: a request meets both SLOs
     slo_tpot_s: float = 0.1
+    # Prefill/decode disaggregation (fragsim.cluster.disagg): of the instances, this many
+    # prefill and this many decode (the rest mixed), and the link between them
+    prefill_instances: int = 0
+    decode_instances: int = 0
+    kv_transfer_bandwidth_gbps: float = 25.0  # GB/s per GPU (each its own NIC)
+    kv_transfer_latency_ms: float = 1.0       # base latency of one transfer
+    pd_threshold: int = 0                 # prompts with fewer uncached tokens skip the prefill pool
     # A CPU tier below the GPU pool (vLLM's --kv-offloading-*; fragsim.offload.connector):
     kv_offloading_size: float | None = None   # GiB of host memory, every GPU together; None: no tier
     kv_offloading_policy: str = "lru"         # lru or arc

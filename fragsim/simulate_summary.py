@@ -110,18 +110,24 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
 def _offload_summary(engine: Engine, kv_bytes_per_token: int) -> dict[str, Any]:
     """The tiers below the GPU pool: vLLM's external prefix-cache counts (tokens), the
     GPU slots held only for pending stores, and one entry per tier (empty without)."""
-    offload = engine.offload
+    from fragsim.offload.connector import OffloadConnector
+
+    connector = engine.connector
+    offload = connector if isinstance(connector, OffloadConnector) else None
     cap = engine.capacity
-    held = engine.rec.mean_held()
-    tiers = offload.summary() if offload is not None else []
-    return {
+    held, peak = engine.rec.mean_held(), engine.rec.peak_held()
+    out: dict[str, Any] = {
         "external_prefix_cache_queries": offload.queries if offload is not None else 0,
         "external_prefix_cache_hits": offload.hits if offload is not None else 0,
-        "mean_store_pending_slots": held,
-        "store_pending_frac": held / cap if cap else 0.0,
-        "peak_store_pending_slots": engine.rec.peak_held(),
-        "tiers": tiers,
+        "mean_store_pending_slots": held if offload is not None else 0.0,
+        "store_pending_frac": held / cap if cap and offload is not None else 0.0,
+        "peak_store_pending_slots": peak if offload is not None else 0,
+        "tiers": offload.summary() if offload is not None else [],
     }
+    if connector is not None and offload is None:  # a prefill instance: held for transfers
+        out.update(mean_kv_sending_slots=held, kv_sending_frac=held / cap if cap else 0.0,
+                   peak_kv_sending_slots=peak)
+    return out
 
 
 def _sharing_summary(engine: Engine, mean_free: float, counts: dict[str, int]) -> dict[str, Any]:

@@ -83,6 +83,11 @@ def plan(engine: Engine) -> Plan | None:
             arrive = float(reqs.arrival[reqs.next_row])
             if arrive <= now:
                 return None
+        if reqs.takes_hand_ins and engine.env is not None:
+            # A hand-in comes with another instance's event: none before the next one.
+            arrive = min(arrive, float(engine.env.peek()))
+            if arrive <= now:
+                return None
     elif watch:
         nxt = int(reqs.next_servable[reqs.next_row])
         if nxt < reqs.N:

@@ -35,7 +35,7 @@ def same_prompt_twice(gap_s: float, output: int = 1) -> Trace:
 def test_a_hit_loads_over_the_host_link_and_the_prompt_was_stored_by_bytes_over_bandwidth() -> None:
     engine = make_engine(same_prompt_twice(5.0), "vllm", spec(), check=True)
     engine.run()
-    tier = engine.offload.summary()[0]  # type: ignore[union-attr]
+    tier = engine.connector.summary()[0]  # type: ignore[union-attr]
     store_s = 1024 * KV_BYTES / PCIE          # 64 blocks of 16 tokens, the first request's prompt
     load_s = 1024 * KV_BYTES / PCIE           # the whole prompt; its last token is computed again
     assert tier["store_time_s"] == pytest.approx(store_s)
@@ -67,10 +67,10 @@ def test_the_tier_is_asked_only_past_the_gpu_hit() -> None:
     # holds that block, and loads it; the request then computes its last token again.
     engine = make_engine(same_prompt_twice(0.5), "vllm", spec(prefix_caching=True), check=True)
     engine.run()
-    tier = engine.offload.summary()[0]  # type: ignore[union-attr]
+    tier = engine.connector.summary()[0]  # type: ignore[union-attr]
     assert engine.num_prefix_hits == 1008
     assert tier["hits_tokens"] == 16 and tier["load_bytes"] == 16 * KV_BYTES
-    assert engine.offload.queries == 1024 + 16  # type: ignore[union-attr]  # the first prompt, the second's rest
+    assert engine.connector.queries == 1024 + 16  # type: ignore[union-attr]  # the first prompt, the second's rest
     assert engine.num_prefill_tokens == 1024 + 1
 
 
@@ -151,7 +151,7 @@ def test_a_disk_hit_is_read_by_an_io_thread_then_crosses_the_host_link() -> None
                kv_offloading_disk_read_gbps=3.0)
     engine = make_engine(three([(1024, (7, 8)), (1024, (9, 10)), (1024, (7, 8))]), "vllm", run, check=True)
     engine.run()
-    cpu, disk = engine.offload.summary()  # type: ignore[union-attr]
+    cpu, disk = engine.connector.summary()  # type: ignore[union-attr]
     assert cpu["hits_tokens"] == 0 and disk["hits_tokens"] == 1024
     assert cpu["evicted_blocks"] == 64 and disk["stored_blocks"] == 128
     read_s = 1024 * KV_BYTES * 4 / 3e9      # one of four I/O threads: a quarter of 3 GB/s
@@ -166,7 +166,7 @@ def test_lmcache_stores_the_partial_last_chunk_and_counts_its_tail() -> None:
     run = spec(kv_offloading_backend="lmcache")
     engine = make_engine(three([(1000, (7, 8)), (1000, (7, 8))]), "vllm", run, check=True)
     engine.run()
-    (cpu,) = engine.offload.summary()  # type: ignore[union-attr]
+    (cpu,) = engine.connector.summary()  # type: ignore[union-attr]
     assert cpu["block_size"] == 256 and cpu["stored_blocks"] == 4  # 3 whole chunks and a 232-token tail
     assert cpu["hits_tokens"] == 1000         # the tail too: the same content and length
     assert cpu["store_bytes"] == 1000 * KV_BYTES
@@ -184,7 +184,7 @@ def test_lazy_stores_what_the_gpu_prefix_cache_evicts() -> None:
     run = spec(kv_offloading_backend="lazy", prefix_caching=True, kv_slots=68 * 16)
     engine = make_engine(three([(1024, (7, 8)), (1024, (9, 10)), (1024, (7, 8))]), "vllm", run, check=True)
     engine.run()
-    (cpu,) = engine.offload.summary()  # type: ignore[union-attr]
+    (cpu,) = engine.connector.summary()  # type: ignore[union-attr]
     assert engine.num_prefix_hits == 3 * 16
     assert cpu["hits_tokens"] == 61 * 16
     with pytest.raises(FragsimError, match="needs --prefix-caching"):
@@ -202,7 +202,7 @@ def test_a_hit_still_being_written_defers_the_request_as_vllm_does() -> None:
     engine.run()
     store_s = load_s = 8192 * KV_BYTES / PCIE
     assert STEP < store_s < 2 * STEP
-    (tier,) = engine.offload.summary()  # type: ignore[union-attr]
+    (tier,) = engine.connector.summary()  # type: ignore[union-attr]
     assert tier["hits_tokens"] == 8192
     # Skipped at the step at 0.04; admitted at 0.06 (the store landed at 0.0536); its
     # load lands at 0.0936, seen at the step at 0.10, whose end brings its first token.

@@ -99,11 +99,23 @@ def cluster_note(s: dict[str, Any]) -> str:
         found = s["prefix_cache_hits"] + s.get("external_prefix_cache_hits", 0)
         line += (f"; the router expected {s['router_estimated_hit_tokens']:,} prefix tokens cached, "
                  f"the instances found {found:,}")
+    if s.get("num_kv_transfers") is not None:
+        line += (f"\n  {s['num_disaggregated']:,} requests split prefill/decode: {s['num_kv_transfers']:,} KV "
+                 f"transfers, {s['kv_transfer_bytes'] / 1e9:,.1f} GB, {s['mean_kv_transfer_s'] * 1e3:,.1f} ms "
+                 f"each on the link, {s['mean_kv_transfer_wait_s'] * 1e3:,.1f} ms from the decode side's "
+                 f"reservation to landing; of the cluster's KV, {s['kv_sending_frac']:.1%} held by prefill "
+                 f"instances for transfers, {s['kv_receiving_frac']:.1%} reserved by decode instances for "
+                 f"them, {s['kv_duplicated_frac']:.2%} at both ends")
     return line
 
 
+#: a cluster with more instances shows its total and pools only (``--json`` has them all)
+MAX_INSTANCE_ROWS = 8
+
+
 def table_rows(results: list[Any]) -> list[dict[str, Any]]:
-    """The table's rows: one per run; a cluster's total, then a row per instance."""
+    """The table's rows: one per run; a cluster's total, a row per pool (with a
+    prefill/decode split), then a row per instance (up to :data:`MAX_INSTANCE_ROWS`)."""
     rows = []
     for r in results:
         s = r.summary
@@ -111,7 +123,10 @@ def table_rows(results: list[Any]) -> list[dict[str, Any]]:
             rows.append(s)
             continue
         rows.append({**s, "allocator": f"{s['allocator']} ×{s['num_instances']} {s['router']}"})
-        rows += [{**inst, "allocator": f"  #{inst['instance']}"} for inst in s["instances"]]
+        rows += [{**pool, "allocator": f"  {pool['role']} ×{pool['num_instances']}"} for pool in s.get("pools", [])]
+        if len(s["instances"]) <= MAX_INSTANCE_ROWS:
+            rows += [{**inst, "allocator": f"  #{inst['instance']}" + (f" {inst['role']}" if "pools" in s else "")}
+                     for inst in s["instances"]]
     return rows
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from fragsim.cli.args import positive_float, positive_int
+from fragsim.cli.args import nonnegative_float, nonnegative_int, positive_float, positive_int
 
 
 def _window(text: str) -> tuple[float, float]:
@@ -133,9 +133,23 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offloading-disk-threads", type=positive_int, default=4, metavar="N",
                    help="disk I/O threads: N jobs at once, each at 1/N of the bandwidth (default 4)")
     g = p.add_argument_group("cluster")
-    g.add_argument("--instances", type=positive_int, default=1, metavar="N",
+    g.add_argument("--instances", type=positive_int, default=None, metavar="N",
                    help="N copies of the deployment behind a router, each with its own KV pool "
-                        "(default 1: one engine)")
+                        "(default 1: one engine; with a prefill/decode split, P + D)")
+    g.add_argument("--prefill-instances", type=nonnegative_int, default=0, metavar="P",
+                   help="of the instances, P run prompts only and hand their KV to a decode "
+                        "instance (needs --decode-instances; default 0: no split)")
+    g.add_argument("--decode-instances", type=nonnegative_int, default=0, metavar="D",
+                   help="of the instances, D generate the answers of prompts run on a prefill "
+                        "instance; the rest serve requests whole (mixed)")
+    g.add_argument("--kv-transfer-bandwidth", type=positive_float, default=25.0, metavar="GB_PER_S",
+                   help="the prefill-to-decode link, per GPU (each its own NIC): GB/s (default 25)")
+    g.add_argument("--kv-transfer-latency-ms", type=nonnegative_float, default=1.0, metavar="MS",
+                   help="base latency of one KV transfer (default 1)")
+    g.add_argument("--pd-threshold", type=nonnegative_int, default=0, metavar="TOKENS",
+                   help="a prompt with fewer uncached tokens (by the router's estimate) skips the "
+                        "prefill pool and runs whole, on a mixed instance or its decode instance "
+                        "(llm-d's decider; default 0: every prompt is split)")
     g.add_argument("--router", choices=("round-robin", "least-loaded", "prefix-aware"),
                    default="round-robin",
                    help="how requests are spread: round-robin; least-loaded (4 × waiting + running, "
@@ -189,7 +203,12 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         prefix_caching=getattr(args, "prefix_caching", False),
         system_prompt_len=getattr(args, "system_prompt_len", 0),
         load_scale=getattr(args, "load_scale", 1),
-        instances=getattr(args, "instances", 1),
+        instances=_instances(args),
+        prefill_instances=getattr(args, "prefill_instances", 0),
+        decode_instances=getattr(args, "decode_instances", 0),
+        kv_transfer_bandwidth_gbps=getattr(args, "kv_transfer_bandwidth", 25.0),
+        kv_transfer_latency_ms=getattr(args, "kv_transfer_latency_ms", 1.0),
+        pd_threshold=getattr(args, "pd_threshold", 0),
         router=getattr(args, "router", "round-robin"),
         slo_ttft_s=getattr(args, "slo_ttft", 2.0),
         slo_tpot_s=getattr(args, "slo_tpot", 0.1),
@@ -252,3 +271,12 @@ def parse_allocators(text: str) -> list[str]:
     if bad or not names:
         raise FragsimError(f"--allocator: unknown {', '.join(bad) or '(empty)'}; known: {', '.join(known)}")
     return names
+
+
+def _instances(args: argparse.Namespace) -> int:
+    """--instances, or P + D when only a prefill/decode split is given."""
+    n = getattr(args, "instances", None)
+    if n is not None:
+        return int(n)
+    split = getattr(args, "prefill_instances", 0) + getattr(args, "decode_instances", 0)
+    return max(1, split)

@@ -62,15 +62,38 @@ def _minmax(values: Sequence[float]) -> np.ndarray:
     return (arr - arr.min()) / span if span > 0 else np.zeros(len(arr))
 
 
-class RoundRobin:
+class _NoEstimate:
+    """A policy that keeps no picture of the instances' caches."""
+
+    def expected_hit(self, req: int) -> int:
+        """Prompt tokens the last pick for ``req`` expects cached there."""
+        return 0
+
+    def forget(self, req: int) -> None:
+        """The pick for ``req`` was not used."""
+
+    def summary(self) -> dict[str, Any]:
+        return {}
+
+
+class RoundRobin(_NoEstimate):
     name = "round-robin"
     static = True
+
+    def __init__(self) -> None:
+        self.turn = 0
 
     def assign(self, num_requests: int, num_instances: int) -> np.ndarray:
         return np.arange(num_requests) % num_instances
 
+    def pick(self, req: int, engines: Sequence[Engine]) -> int:
+        return self.turn % len(engines)
 
-class LeastLoaded:
+    def routed(self, req: int, instance: int, engines: Sequence[Engine]) -> None:
+        self.turn += 1
+
+
+class LeastLoaded(_NoEstimate):
     name = "least-loaded"
     static = False
 
@@ -83,9 +106,6 @@ class LeastLoaded:
 
     def routed(self, req: int, instance: int, engines: Sequence[Engine]) -> None:
         pass
-
-    def summary(self) -> dict[str, Any]:
-        return {}
 
 
 class _Index:
@@ -126,7 +146,7 @@ class PrefixAware:
             raise ValueError("the prefix-aware router scores prefix blocks: it needs --prefix-caching")
         self.keys_of, self.prompt, self.weights, self.tier_weight = keys, prompt, weights, tier_weight
         self.gpu = [_Index(engine.kv.capacity // max(engine.kv.block_size, 1)) for engine in engines]
-        self.tier = [_Index(_tier_blocks(engine)) if engine.offload is not None else None for engine in engines]
+        self.tier = [_tier_index(engine) for engine in engines]
         self.estimated_tokens = np.zeros(len(engines), dtype=np.int64)  # the router's expected hits
         self._estimate: dict[int, int] = {}
 
@@ -158,14 +178,24 @@ class PrefixAware:
             tier.add(keys)
         self.estimated_tokens[instance] += self._estimate.pop(req, 0)
 
+    def expected_hit(self, req: int) -> int:
+        return self._estimate.get(req, 0)
+
+    def forget(self, req: int) -> None:
+        self._estimate.pop(req, None)
+
     def summary(self) -> dict[str, Any]:
         return {"router_estimated_hit_tokens": int(self.estimated_tokens.sum())}
 
 
-def _tier_blocks(engine: Engine) -> int:
-    offload = engine.offload
-    assert offload is not None
-    return offload.num_chunks * offload.chunk // max(engine.kv.block_size, 1)
+def _tier_index(engine: Engine) -> _Index | None:
+    """The router's index of an instance's offload tier (None: it has none)."""
+    from fragsim.offload.connector import OffloadConnector
+
+    tier = engine.connector
+    if not isinstance(tier, OffloadConnector):
+        return None
+    return _Index(tier.num_chunks * tier.chunk // max(engine.kv.block_size, 1))
 
 
 def make_router(name: str, keys: Any, prompt: np.ndarray, engines: Sequence[Engine]) -> Any:

@@ -65,6 +65,7 @@ from typing import Any
 
 import simpy
 
+from fragsim.connector import HeldBlocks
 from fragsim.offload.level import Level
 from fragsim.offload.spec import GIB, OffloadSpec
 from fragsim.prefix import KEY_STRIDE, PrefixKeys
@@ -130,7 +131,8 @@ class OffloadConnector:
         self.loads: list[float] = []                 # each load's time from admission to landing
         self._next_store: dict[int, int] = {}        # req -> first chunk not yet offered
         self._pending_stores: dict[int, int] = {}    # req -> store jobs in flight
-        self._held: dict[int, list[int]] = {}        # req -> sequences kept for its stores
+        self._held = HeldBlocks()                    # sequences kept for their stores
+        self.host_pool = self                        # swap takes its room from the CPU tier
         self._loading: dict[int, list[Transfer]] = {}  # req -> its loads in flight
         self._inflight: list[Transfer] = []
         self.env: simpy.Environment | None = None
@@ -163,10 +165,6 @@ class OffloadConnector:
     def busy(self) -> bool:
         """Something is in flight or waiting on it (the engine takes single steps then)."""
         return bool(self._inflight or self._held)
-
-    @property
-    def held_seqs(self) -> list[int]:
-        return [seq for seqs in self._held.values() for seq in seqs]
 
     # -------------------------------------------------------------- admission
 
@@ -310,9 +308,9 @@ class OffloadConnector:
         return self._pending_stores.get(req, 0) > 0
 
     def hold(self, req: int, seq: int) -> None:
-        self._held.setdefault(req, []).append(seq)
+        self._held.hold(req, seq)
 
-    def finish(self, req: int) -> None:
+    def finish(self, req: int, now: float) -> None:
         """``req`` finished: its accesses reach each tier's policy (vLLM 0.33 updates
         recency here)."""
         for level in self.levels:
@@ -330,22 +328,8 @@ class OffloadConnector:
         self.cpu.take_back(-(-slots // self.chunk), now)
 
     def held_slots(self, kv: Any, final: Any) -> tuple[int, int]:
-        """(tokens the held sequences store, slots only they hold). ``final``: each
-        request's final length (a finished sequence has stored all of it)."""
-        if not self._held:
-            return 0, 0
-        stored = sum(int(final[req]) * len(seqs) for req, seqs in self._held.items())
-        alloc = getattr(kv, "alloc", None)
-        if alloc is None or not hasattr(alloc, "ref_cnt"):
-            return stored, stored  # nothing is shared: each held slot is theirs alone
-        holders: dict[int, int] = {}
-        for seq in self.held_seqs:
-            for block in alloc.block_table(seq):
-                holders[block] = holders.get(block, 0) + 1
-        only = sum(1 for block, n in holders.items() if n == alloc.ref_cnt(block))
-        unused = sum(max(0, alloc.num_owned(seq) - int(final[req]))
-                     for req, seqs in self._held.items() for seq in seqs)
-        return stored, only * alloc.block_size - unused
+        """(tokens the held sequences store, slots only they hold)."""
+        return self._held.slots(kv, final)
 
     # -------------------------------------------------------------- transfers
 
@@ -398,6 +382,10 @@ class OffloadConnector:
             earliest = max(earliest, float(self.env.peek()))
         return earliest
 
+    def pending_at_end(self) -> bool:
+        """Stores still in flight when the last request ends are not waited for."""
+        return False
+
     def poll(self, now: float, free: Callable[[int], Any]) -> tuple[list[int], bool]:
         """Complete the transfers that landed by ``now``: returns the requests whose loads
         all landed, and whether held blocks were freed (``free``: the KV manager's)."""
@@ -437,9 +425,7 @@ class OffloadConnector:
                 self._pending_stores[job.req] = left
                 continue
             del self._pending_stores[job.req]
-            for seq in self._held.pop(job.req, ()):
-                free(seq)
-                freed = True
+            freed |= self._held.release(job.req, free)
         return ready, freed
 
     def _write_through(self, job: Transfer) -> None:
@@ -462,7 +448,7 @@ class OffloadConnector:
         """Each tier's states against its residency log and its own counts."""
         for level in self.levels:
             level.check()
-        assert all(self._pending_stores.get(req, 0) > 0 for req in self._held), "held without stores"
+        assert all(self._pending_stores.get(req, 0) > 0 for req in self._held.by_req), "held without stores"
 
     def close(self, now: float) -> None:
         """The run ended at ``now``: every stay still open ends there."""

@@ -1,0 +1,307 @@
+"""Prefill/decode disaggregation: a request's prompt runs on a prefill instance, its KV
+moves to a decode instance over a link, and the decode instance generates the answer.
+
+Both sides follow vLLM's ``NixlConnector`` (on which llm-d's P/D runs), as the
+engine's KV connector (:mod:`fragsim.connector`):
+
+prefill side (:class:`PrefillSide`)
+    The request runs with one output token (the proxy's ``max_tokens=1``). When it
+    finishes, its blocks stay held (vLLM: ``delay_free_blocks``) until the decode side
+    has read them, and the request is handed to its decode instance, which sees it at
+    that instant (:meth:`RequestTable.hand_in
+    <fragsim.request_table.RequestTable.hand_in>`).
+decode side (:class:`DecodeSide`)
+    The request queues there like any other. Once admitted, its blocks for the whole
+    prompt are placed: the KV is reserved as the transfer starts. Its own prefix-cache
+    hit is not moved; the rest is (whole blocks), while the request waits (vLLM:
+    ``WAITING_FOR_REMOTE_KVS``). When it lands, the prefill side frees its copy at its
+    next step, and the request computes the prompt's last token again, which gives the
+    first output token. On an idle cluster, then::
+
+        TTFT = prefill + latency + moved tokens × bytes per token per GPU / bandwidth + first step
+
+The link (:class:`KVLink`): every instance has one port (each GPU its own NIC, so a
+transfer moves every GPU's share at once, each at the link's bandwidth). A transfer
+waits the base latency, takes the sender's port, then the receiver's (always in that
+order, so no two transfers wait on each other), and holds both for its bytes over the
+bandwidth: transfers that share a port queue for it, first come, first served.
+
+Where the bytes are while a request changes instance, cluster-wide (:meth:`KVLink.summary`):
+*sending*, the prefill side's blocks held for a transfer (before and while it runs);
+*receiving*, the decode side's blocks reserved for a transfer that has not landed;
+*duplicated*, bytes present at both ends: a transfer's bytes arrive at an even rate
+while it holds the ports, and are duplicated from arrival until the prefill side
+frees its copy.
+
+Not modelled: layer-wise overlap of the transfer with the prefill, a timeout after
+which the prefill side frees unread blocks (vLLM's abort timeout), and hybrid models
+(only a window's blocks or one state per state layer would cross).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Any
+
+import simpy
+
+from fragsim.connector import HeldBlocks
+from fragsim.request_table import REFUSED
+
+
+@dataclass(eq=False)
+class Handoff:
+    """One request's KV on its way from a prefill instance to a decode instance."""
+
+    req: int
+    sender: int
+    receiver: int
+    tokens: int                 # tokens whose blocks move (whole blocks)
+    bytes: int                  # every GPU's share
+    seconds: float              # on the ports
+    ready: float                # when the decode side reserved its blocks and asked
+    latency: float
+    start: float | None = None  # when it held both ports
+    end: float | None = None    # known once it holds both ports
+    cancelled: bool = False     # the decode side preempted the request meanwhile
+
+
+def _next_done(jobs: Any) -> float | None:
+    """The earliest time one of ``jobs`` lands, of those that hold their ports (None:
+    none does; the link wakes both ends when one takes its ports)."""
+    return min((job.end for job in jobs if job.end is not None), default=None)
+
+
+class KVLink:
+    """The instances' ports and the transfers between them (see the module docstring)."""
+
+    def __init__(self, bandwidth: float, latency_s: float, per_gpu_token_bytes: int, tp: int,
+                 block_size: int) -> None:
+        if bandwidth <= 0:
+            raise ValueError(f"--kv-transfer-bandwidth must be > 0, got {bandwidth / 1e9:g} GB/s")
+        if latency_s < 0:
+            raise ValueError(f"--kv-transfer-latency-ms must be >= 0, got {latency_s * 1e3:g}")
+        self.bandwidth, self.latency = bandwidth, latency_s
+        self.per_gpu_token_bytes, self.tp, self.block = per_gpu_token_bytes, tp, block_size
+        self.env: simpy.Environment | None = None
+        self.ports: list[simpy.Resource] = []
+        self.senders: dict[int, PrefillSide] = {}
+        self.pokes: dict[int, Callable[[], None]] = {}  # instance -> wake its engine
+        self.done: list[Handoff] = []
+        self.dropped = 0            # copies freed unread (the decode side refused the request)
+        self.receiving = 0.0        # ∫ tokens reserved for transfers not landed dt
+        self.duplicated = 0.0       # ∫ duplicated tokens dt
+
+    def bind(self, env: simpy.Environment, num_instances: int) -> None:
+        self.env = env
+        self.ports = [simpy.Resource(env, capacity=1) for _ in range(num_instances)]
+
+    def send(self, req: int, sender: int, receiver: int, tokens: int, now: float) -> Handoff:
+        """Move ``tokens`` tokens' blocks of ``req`` (the decode side reserved them now)."""
+        assert self.env is not None, "bind() the link first"
+        moved = -(-tokens // self.block) * self.block
+        job = Handoff(req, sender, receiver, tokens, moved * self.per_gpu_token_bytes * self.tp,
+                      moved * self.per_gpu_token_bytes / self.bandwidth, now, self.latency)
+        self.senders[sender].jobs[req] = job
+        self.env.process(self._run(job))
+        return job
+
+    def drop(self, req: int, sender: int, now: float) -> None:
+        """The decode side refused ``req``: its prefill side frees its copy unread."""
+        job = Handoff(req, sender, -1, 0, 0, 0.0, now, 0.0, now, now)
+        self.senders[sender].jobs[req] = job
+        self.pokes[sender]()
+
+    def _run(self, job: Handoff) -> Generator[simpy.Event, Any, None]:
+        env = self.env
+        assert env is not None
+        if job.latency:
+            yield env.timeout(job.latency)
+        with self.ports[job.sender].request() as send:
+            yield send
+            with self.ports[job.receiver].request() as receive:
+                yield receive
+                job.start = float(env.now)
+                job.end = job.start + job.seconds
+                self.pokes[job.sender]()  # both ends now know when it lands
+                self.pokes[job.receiver]()
+                yield env.timeout(job.seconds)
+
+    def freed(self, job: Handoff, now: float) -> None:
+        """The prefill side freed its copy at ``now``: the transfer is over."""
+        assert job.start is not None and job.end is not None
+        if job.receiver < 0:
+            self.dropped += 1
+            return
+        self.duplicated += job.tokens * ((job.end - job.start) / 2 + (now - job.end))
+        self.done.append(job)
+
+    def summary(self, span: float) -> dict[str, Any]:
+        """The cluster's transfer figures (means over ``span`` seconds, in slots)."""
+        done = self.done
+        return {
+            "num_kv_transfers": len(done),
+            "num_kv_dropped": self.dropped,
+            "kv_transfer_bytes": int(sum(job.bytes for job in done)),
+            "mean_kv_transfer_s": sum(job.seconds for job in done) / len(done) if done else 0.0,
+            "mean_kv_transfer_wait_s":
+                sum((job.end or 0.0) - job.ready for job in done) / len(done) if done else 0.0,
+            "mean_kv_receiving_slots": self.receiving / span if span > 0 else 0.0,
+            "mean_kv_duplicated_slots": self.duplicated / span if span > 0 else 0.0,
+        }
+
+
+class PrefillSide:
+    """The connector of a prefill instance (see the module docstring)."""
+
+    host_pool = None
+
+    def __init__(self, link: KVLink, index: int, hand_off: Callable[[int, int, float], None]) -> None:
+        self.link, self.index, self.hand_off = link, index, hand_off
+        link.senders[index] = self
+        self.held = HeldBlocks()
+        self.jobs: dict[int, Handoff] = {}  # req -> its transfer, once the decode side asked
+        self.env: simpy.Environment | None = None
+        self.now = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.held)
+
+    def pending_at_end(self) -> bool:
+        return bool(self.held)  # its copies must last until they are read
+
+    def bind(self, env: simpy.Environment) -> None:
+        self.env = env
+        self.now = float(env.now)
+
+    def probe(self, req: int, prompt: int, context: int, gpu_hit: int) -> int | None:
+        return 0  # nothing comes in here
+
+    def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float) -> int:
+        return 0
+
+    def cancel(self, req: int) -> None:
+        raise AssertionError("a prefill instance loads nothing")
+
+    def store(self, req: int, prompt: int, computed: int, now: float) -> None:
+        self.now = now
+
+    def must_hold(self, req: int) -> bool:
+        return True  # every request here hands its KV on
+
+    def hold(self, req: int, seq: int) -> None:
+        self.held.hold(req, seq)
+
+    def finish(self, req: int, now: float) -> None:
+        self.hand_off(req, self.index, now)
+
+    def poll(self, now: float, free: Callable[[int], Any]) -> tuple[list[int], bool]:
+        """Free the copies whose transfers landed by ``now``."""
+        self.now = now
+        landed = [job for job in self.jobs.values() if job.end is not None and job.end <= now]
+        freed = False
+        for job in landed:
+            del self.jobs[job.req]
+            freed |= self.held.release(job.req, free)
+            self.link.freed(job, now)
+        return [], freed
+
+    def held_slots(self, kv: Any, final: Any) -> tuple[int, int]:
+        return self.held.slots(kv, final)
+
+    def next_done(self) -> float | None:
+        return _next_done(self.jobs.values())
+
+    def check(self) -> None:
+        assert all(req in self.held for req in self.jobs), "a transfer from blocks no longer held"
+
+    def close(self, now: float) -> None:
+        assert not self.held, "a prefill instance ended with copies unread"
+
+
+class DecodeSide:
+    """The connector of a decode instance (see the module docstring)."""
+
+    host_pool = None
+
+    def __init__(self, link: KVLink, index: int, requests: Any) -> None:
+        self.link, self.index, self.requests = link, index, requests
+        self.remote: dict[int, int] = {}      # req -> its prefill instance, until admitted
+        self.loading: dict[int, Handoff] = {}
+        self.env: simpy.Environment | None = None
+        self.now = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.loading)
+
+    def pending_at_end(self) -> bool:
+        return False
+
+    def bind(self, env: simpy.Environment) -> None:
+        self.env = env
+        self.now = float(env.now)
+
+    def expect(self, req: int, sender: int) -> None:
+        """``req``'s prompt ran on instance ``sender``; its KV is there."""
+        self.remote[req] = sender
+
+    def probe(self, req: int, prompt: int, context: int, gpu_hit: int) -> int | None:
+        return 0  # the transfer starts once the blocks are placed
+
+    def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float) -> int:
+        """``req``'s blocks are placed: move what its own prefix hit lacks (a request
+        that recomputes after a preemption here moves nothing: its prefill side's copy
+        is gone)."""
+        self.now = now
+        sender = self.remote.pop(req, None)
+        if sender is None:
+            return 0
+        tokens = context - gpu_hit
+        assert tokens > 0, "a prefix hit always leaves the last token to compute"
+        self.loading[req] = self.link.send(req, sender, self.index, tokens, now)
+        return tokens
+
+    def cancel(self, req: int) -> None:
+        job = self.loading.pop(req)
+        job.cancelled = True  # it runs on; the prefill side frees its copy when it lands
+        self.link.receiving += job.tokens * (self.now - job.ready)
+
+    def poll(self, now: float, free: Callable[[int], Any]) -> tuple[list[int], bool]:
+        """The requests whose KV landed by ``now``; the prefill side of one refused here
+        (too large, or past the queue timeout) frees its copy."""
+        self.now = now
+        status = self.requests.status
+        for req in [req for req in self.remote if status[req] == REFUSED]:
+            self.link.drop(req, self.remote.pop(req), now)
+        ready = [req for req, job in self.loading.items() if job.end is not None and job.end <= now]
+        for req in ready:  # reserved until now, when the engine fills the blocks
+            job = self.loading.pop(req)
+            self.link.receiving += job.tokens * (now - job.ready)
+        return ready, False
+
+    def store(self, req: int, prompt: int, computed: int, now: float) -> None:
+        self.now = now
+
+    def must_hold(self, req: int) -> bool:
+        return False
+
+    def hold(self, req: int, seq: int) -> None:
+        raise AssertionError("a decode instance holds nothing past a request")
+
+    def finish(self, req: int, now: float) -> None:
+        self.now = now
+
+    def held_slots(self, kv: Any, final: Any) -> tuple[int, int]:
+        return 0, 0
+
+    def next_done(self) -> float | None:
+        return _next_done(self.loading.values())
+
+    def check(self) -> None:
+        assert not set(self.remote) & set(self.loading), "a request both expected and loading"
+
+    def close(self, now: float) -> None:
+        assert not self.loading, "a decode instance ended with transfers in flight"

@@ -1,0 +1,138 @@
+"""What the engine asks of a KV connector: KV that arrives from, or leaves for,
+somewhere other than the instance's own GPU pool.
+
+vLLM gives its scheduler one connector slot (``--kv-transfer-config``) for both jobs
+that move KV across an instance's edge: an offload tier below the GPU pool
+(:class:`fragsim.offload.connector.OffloadConnector`) and prefill/decode
+disaggregation, where a prefill instance's KV moves to a decode instance
+(:mod:`fragsim.cluster.disagg`). The engine (:mod:`fragsim.engine`) calls it at the
+same points vLLM's scheduler calls its connector's scheduler side:
+
+===========================  ===============================================================
+admission, after the GPU     :meth:`~KVConnector.probe`: tokens it can supply past the GPU
+prefix-cache hit             hit, or None to skip the request this step; once the request's
+                             blocks are placed, :meth:`~KVConnector.start_load` starts
+                             moving them in and returns how many tokens the request waits
+                             for (vLLM: ``WAITING_FOR_REMOTE_KVS``)
+end of a step                :meth:`~KVConnector.store`: prompt tokens computed by now
+a request finishes           :meth:`~KVConnector.must_hold` / :meth:`~KVConnector.hold`: its
+                             blocks outlive it while something still reads them (vLLM:
+                             ``delay_free_blocks``); :meth:`~KVConnector.finish`
+start of a step              :meth:`~KVConnector.poll`: transfers that landed by now; held
+                             blocks are freed
+idle                         :meth:`~KVConnector.next_done`: when the next transfer lands
+===========================  ===============================================================
+
+:class:`HeldBlocks` keeps the sequences a connector holds past their request's end,
+and works out what part of the pool only they hold (the split's ``held`` part,
+:class:`fragsim.metrics.Recorder`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import simpy
+
+
+class HostPool(Protocol):
+    """Host memory that swap preemption takes its room from (one host pool with a tier)."""
+
+    def swap_out(self, slots: int, now: float) -> bool:
+        """Room for ``slots`` KV slots of a swapped-out sequence; False: none."""
+
+    def swap_in(self, slots: int, now: float) -> None:
+        """Give back what :meth:`swap_out` took."""
+
+
+class KVConnector(Protocol):
+    #: transfers in flight or blocks held: the engine steps one at a time meanwhile
+    busy: bool
+    #: where swap preemption takes host memory from; None: the engine's swap space
+    host_pool: HostPool | None
+
+    def bind(self, env: simpy.Environment) -> None:
+        """Run on ``env`` (the engine's, made when it runs)."""
+
+    def probe(self, req: int, prompt: int, context: int, gpu_hit: int) -> int | None:
+        """Tokens it holds past ``gpu_hit`` (0: none); None: skip ``req`` this step."""
+
+    def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float) -> int:
+        """``req``'s blocks are placed: start loading; returns the tokens it waits for."""
+
+    def cancel(self, req: int) -> None:
+        """``req`` was preempted while loading."""
+
+    def poll(self, now: float, free: Callable[[int], Any]) -> tuple[list[int], bool]:
+        """(requests whose loads all landed by ``now``, whether held blocks were freed)."""
+
+    def store(self, req: int, prompt: int, computed: int, now: float) -> None:
+        """The first ``computed`` tokens of ``req`` are in the GPU pool (end of a step)."""
+
+    def must_hold(self, req: int) -> bool:
+        """Whether ``req``'s blocks must outlive it."""
+
+    def hold(self, req: int, seq: int) -> None:
+        """Keep ``seq``'s blocks until :meth:`poll` frees them."""
+
+    def finish(self, req: int, now: float) -> None:
+        """``req`` finished at ``now``."""
+
+    def held_slots(self, kv: Any, final: Any) -> tuple[int, int]:
+        """(tokens the held sequences store, slots only they hold)."""
+
+    def next_done(self) -> float | None:
+        """The earliest time a transfer in flight may land (None: none known)."""
+
+    def pending_at_end(self) -> bool:
+        """Whether the engine runs on once its requests are done (until this is False)."""
+
+    def check(self) -> None:
+        """Its own invariants (``check=True``)."""
+
+    def close(self, now: float) -> None:
+        """The run ended at ``now``."""
+
+
+class HeldBlocks:
+    """Sequences kept past their request's end, by request."""
+
+    def __init__(self) -> None:
+        self.by_req: dict[int, list[int]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.by_req)
+
+    def __contains__(self, req: int) -> bool:
+        return req in self.by_req
+
+    def hold(self, req: int, seq: int) -> None:
+        self.by_req.setdefault(req, []).append(seq)
+
+    def release(self, req: int, free: Callable[[int], Any]) -> bool:
+        """Free ``req``'s held sequences; True if it held any."""
+        seqs = self.by_req.pop(req, ())
+        for seq in seqs:
+            free(seq)
+        return bool(seqs)
+
+    def slots(self, kv: Any, final: Any) -> tuple[int, int]:
+        """(tokens the held sequences store, slots only they hold). ``final``: each
+        request's final length (a finished sequence has stored all of it)."""
+        held = self.by_req
+        if not held:
+            return 0, 0
+        stored = sum(int(final[req]) * len(seqs) for req, seqs in held.items())
+        alloc = getattr(kv, "alloc", None)
+        if alloc is None or not hasattr(alloc, "ref_cnt"):
+            return stored, stored  # nothing is shared: each held slot is theirs alone
+        holders: dict[int, int] = {}
+        for seqs in held.values():
+            for seq in seqs:
+                for block in alloc.block_table(seq):
+                    holders[block] = holders.get(block, 0) + 1
+        only = sum(1 for block, n in holders.items() if n == alloc.ref_cnt(block))
+        unused = sum(max(0, alloc.num_owned(seq) - int(final[req]))
+                     for req, seqs in held.items() for seq in seqs)
+        return stored, only * alloc.block_size - unused
