@@ -91,4 +91,4 @@ def with_system_prompt(trace: Trace, system_prompt_len: int) -> Trace:
     return Trace(f"{trace.name}+sys{system_prompt_len}", f"{trace.source}+system_prompt={system_prompt_len}",
                  trace.arrival_s, trace.prompt_len + system_prompt_len, trace.output_len,
                  block_hashes=[(0,)] * len(trace), block_hash_size=system_prompt_len,
-                 has_timestamps=trace.has_timestamps)
+                 has_timestamps=trace.has_timestamps, session=trace.session)

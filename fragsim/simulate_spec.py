@@ -74,6 +74,10 @@ class RunSpec:
     kv_transfer_bandwidth_gbps: float = 25.0  # GB/s per GPU (each its own NIC)
     kv_transfer_latency_ms: float = 1.0       # base latency of one transfer
     pd_threshold: int = 0                 # prompts with fewer uncached tokens skip the prefill pool
+    # What the router sees (fragsim.cluster.view) and how prefix-aware weighs it
+    router_weights: tuple[float, float, float] = (2.0, 1.0, 1.0)  # prefix share, queue, KV use
+    router_snapshot_ms: float = 0.0       # load through snapshots this often (0: live)
+    router_kv_events_ms: float | None = None  # prefix-aware: the caches through KV events this late
     # A CPU tier below the GPU pool (vLLM's --kv-offloading-*; fragsim.offload.connector):
     kv_offloading_size: float | None = None   # GiB of host memory, every GPU together; None: no tier
     kv_offloading_policy: str = "lru"         # lru or arc

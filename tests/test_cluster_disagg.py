@@ -111,7 +111,7 @@ def test_a_loaded_cluster_keeps_its_split_at_every_step(router: str) -> None:
     assert sum(s[f"{q}_frac"] for q in parts) == pytest.approx(1.0, abs=1e-9)
     for inst in s["instances"]:
         assert sum(inst.get(f"{q}_frac", 0.0) for q in parts) == pytest.approx(1.0, abs=1e-9)
-    assert [p["role"] for p in s["pools"]] == ["mixed", "prefill", "decode"]
+    assert [p["role"] for p in s["pools"]] == ["prefill", "decode", "mixed"]
     assert len(result.requests) == 300 and result.requests["request_id"].is_unique
     split = result.requests["prefill_instance"] >= 0
     assert int(split.sum()) == s["num_disaggregated"] > 0

@@ -84,6 +84,9 @@ class SharedPagedAllocator(AllocatorCore):
         #: called with the keys of cached blocks as they are evicted (an offload tier's lazy
         #: stores); None: nobody listens
         self.on_evict: Callable[[list[Hashable]], None] | None = None
+        #: KV events, as vLLM publishes them: (stored, keys) when blocks join the prefix
+        #: cache (True) or leave it (False); None: no subscriber
+        self.kv_events: Callable[[bool, list[Hashable]], None] | None = None
 
     # -- the free queue ------------------------------------------------------------
 
@@ -91,7 +94,8 @@ class SharedPagedAllocator(AllocatorCore):
         """``count`` blocks from the head of the free queue, evicting their keys."""
         free, key_of, ref = self._free, self._key_of, self._ref
         out = []
-        evicted: list[Hashable] | None = [] if self.on_evict is not None else None
+        listening = self.on_evict is not None or self.kv_events is not None
+        evicted: list[Hashable] | None = [] if listening else None
         for _ in range(count):
             block, _ = free.popitem(last=False)
             key = key_of.pop(block, None)
@@ -103,8 +107,11 @@ class SharedPagedAllocator(AllocatorCore):
                     evicted.append(key)
             ref[block] = 1
             out.append(block)
-        if evicted and self.on_evict is not None:
-            self.on_evict(evicted)
+        if evicted:
+            if self.on_evict is not None:
+                self.on_evict(evicted)
+            if self.kv_events is not None:
+                self.kv_events(False, evicted)
         return out
 
     def _acquire(self, block: int) -> None:
@@ -260,11 +267,16 @@ class SharedPagedAllocator(AllocatorCore):
         if len(keys) > len(ids):
             raise ValueError(f"{len(keys)} keys for a table of {len(ids)} blocks")
         cache, key_of = self._cache, self._key_of
+        stored: list[Hashable] | None = [] if self.kv_events is not None else None
         for block, key in zip(ids, keys, strict=False):
             if block in key_of or key in cache:
                 continue
             cache[key] = block
             key_of[block] = key
+            if stored is not None:
+                stored.append(key)
+        if stored and self.kv_events is not None:
+            self.kv_events(True, stored)
 
     def num_cached_blocks(self) -> int:
         return len(self._cache)

@@ -17,7 +17,7 @@ from fragsim import __version__
 from fragsim.errors import FragsimError
 
 # Order is the order shown by --help.
-COMMANDS = ["run", "capacity", "trace", "validate", "sweep", "calibrate", "snapshot", "caching"]  # modules of this package
+COMMANDS = ["run", "cluster", "capacity", "trace", "validate", "sweep", "calibrate", "snapshot", "caching"]  # modules of this package
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -123,9 +123,9 @@ def table_rows(results: list[Any]) -> list[dict[str, Any]]:
             rows.append(s)
             continue
         rows.append({**s, "allocator": f"{s['allocator']} ×{s['num_instances']} {s['router']}"})
-        rows += [{**pool, "allocator": f"  {pool['role']} ×{pool['num_instances']}"} for pool in s.get("pools", [])]
+        rows += [{**pool, "allocator": f"  {pool['pool']} ×{pool['num_instances']}"} for pool in s.get("pools", [])]
         if len(s["instances"]) <= MAX_INSTANCE_ROWS:
-            rows += [{**inst, "allocator": f"  #{inst['instance']}" + (f" {inst['role']}" if "pools" in s else "")}
+            rows += [{**inst, "allocator": f"  #{inst['instance']}" + (f" {inst['pool']}" if "pools" in s else "")}
                      for inst in s["instances"]]
     return rows
 

@@ -150,12 +150,23 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
                    help="a prompt with fewer uncached tokens (by the router's estimate) skips the "
                         "prefill pool and runs whole, on a mixed instance or its decode instance "
                         "(llm-d's decider; default 0: every prompt is split)")
-    g.add_argument("--router", choices=("round-robin", "least-loaded", "prefix-aware"),
+    g.add_argument("--router", choices=("round-robin", "least-loaded", "session", "prefix-aware"),
                    default="round-robin",
                    help="how requests are spread: round-robin; least-loaded (4 × waiting + running, "
-                        "vLLM's data-parallel score); prefix-aware (llm-d style: the prompt's share "
+                        "vLLM's data-parallel score); session (consistent hashing on the trace's "
+                        "session ids); prefix-aware (llm-d style: the prompt's share "
                         "in the router's index of each instance's cache 2, queue 1, KV use 1; "
                         "needs --prefix-caching) (default round-robin)")
+    g.add_argument("--router-weights", type=_weights, default=(2.0, 1.0, 1.0), metavar="P,Q,K",
+                   help="prefix-aware: weights of the prefix share, queue depth and KV use "
+                        "(default 2,1,1)")
+    g.add_argument("--router-snapshot-ms", type=nonnegative_float, default=0.0, metavar="MS",
+                   help="the router sees the instances' load as of snapshots taken every MS "
+                        "milliseconds (default 0: live)")
+    g.add_argument("--router-kv-events", type=nonnegative_float, default=None, metavar="MS",
+                   help="prefix-aware: know each instance's GPU prefix cache from its KV events, "
+                        "each arriving MS milliseconds late (default: the router's own index of "
+                        "what it sent where, as llm-d's approximate scorer)")
     g.add_argument("--slo-ttft", type=positive_float, default=2.0, metavar="S",
                    help="goodput counts requests whose time to first token is at most S (default 2)")
     g.add_argument("--slo-tpot", type=positive_float, default=0.1, metavar="S",
@@ -209,6 +220,9 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         kv_transfer_bandwidth_gbps=getattr(args, "kv_transfer_bandwidth", 25.0),
         kv_transfer_latency_ms=getattr(args, "kv_transfer_latency_ms", 1.0),
         pd_threshold=getattr(args, "pd_threshold", 0),
+        router_weights=getattr(args, "router_weights", (2.0, 1.0, 1.0)),
+        router_snapshot_ms=getattr(args, "router_snapshot_ms", 0.0),
+        router_kv_events_ms=getattr(args, "router_kv_events", None),
         router=getattr(args, "router", "round-robin"),
         slo_ttft_s=getattr(args, "slo_ttft", 2.0),
         slo_tpot_s=getattr(args, "slo_tpot", 0.1),
@@ -280,3 +294,14 @@ def _instances(args: argparse.Namespace) -> int:
         return int(n)
     split = getattr(args, "prefill_instances", 0) + getattr(args, "decode_instances", 0)
     return max(1, split)
+
+
+def _weights(text: str) -> tuple[float, float, float]:
+    parts = text.split(",")
+    try:
+        values = tuple(float(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected three numbers P,Q,K, got {text!r}") from None
+    if len(values) != 3 or any(v < 0 for v in values) or not any(values):
+        raise argparse.ArgumentTypeError(f"expected three numbers >= 0, not all 0, got {text!r}")
+    return values  # type: ignore[return-value]

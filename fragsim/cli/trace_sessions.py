@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
                        args.seed)
     sessions = make_sessions(spec)
     trace = sessions.trace
-    save_mooncake(trace, args.out, {"session": sessions.session, "turn": sessions.turn})
+    save_mooncake(trace, args.out, {"turn": sessions.turn})  # the trace writes its session
     keys = chunk_keys(trace, 512)
     refs = sum(len(k) for k in keys)
     prefix, _ = prefix_seen(keys)

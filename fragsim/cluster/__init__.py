@@ -6,7 +6,7 @@ least-loaded, prefix-aware), :mod:`~fragsim.cluster.cluster` builds the instance
 processes of one SimPy environment, and adds up where the memory went.
 """
 
-from fragsim.cluster.cluster import ClusterResult, run_cluster
+from fragsim.cluster.cluster import ClusterResult, Member, Settings, run_cluster, run_members
 from fragsim.cluster.routers import ROUTERS
 
-__all__ = ["ROUTERS", "ClusterResult", "run_cluster"]
+__all__ = ["ROUTERS", "ClusterResult", "Member", "Settings", "run_cluster", "run_members"]

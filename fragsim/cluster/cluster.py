@@ -21,7 +21,6 @@ steps (the tests hold it to that).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -33,10 +32,15 @@ import simpy
 from simpy.events import URGENT
 
 from fragsim.cluster.disagg import DecodeSide, KVLink, PrefillSide
-from fragsim.cluster.pools import ROLES, Pools, roles_of, route_disaggregated
-from fragsim.cluster.routers import ROUTERS, make_router
+from fragsim.cluster.pools import Pools, roles_of, route_disaggregated
+from fragsim.cluster.routers import ROUTERS, RouterOptions, make_router
+from fragsim.cluster.summary import (
+    cluster_summary,
+    pool_summaries,
+    requests_table,
+    transfer_summary,
+)
 from fragsim.errors import FragsimError
-from fragsim.request_table import FINISHED
 
 
 @dataclass
@@ -49,52 +53,87 @@ class ClusterResult:
     address_map: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True)
+class Member:
+    """One instance: the pool it belongs to, its role, its deployment and allocator."""
+
+    pool: str
+    role: str
+    spec: Any                   # a RunSpec: model, GPU, tp, pool size, limits, cost model
+    allocator: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the cluster shares: its router, its SLOs and the prefill-to-decode link."""
+
+    router: str = "round-robin"
+    slo_ttft_s: float = 2.0
+    slo_tpot_s: float = 0.1
+    kv_transfer_bandwidth_gbps: float = 25.0
+    kv_transfer_latency_ms: float = 1.0
+    pd_threshold: int = 0
+    router_weights: tuple[float, float, float] = (2.0, 1.0, 1.0)
+    router_snapshot_ms: float = 0.0
+    router_kv_events_ms: float | None = None
+
+
 def run_cluster(trace: Any, allocator_name: str, spec: Any, num_instances: int, router: str,
                 progress: Callable[[int], None] | None = None, check: bool = False,
                 slo_ttft_s: float = 2.0, slo_tpot_s: float = 0.1) -> ClusterResult:
     """Serve ``trace`` on ``num_instances`` copies of the deployment ``spec`` describes
     (with ``spec.prefill_instances`` and ``spec.decode_instances``, split by role)."""
+    if num_instances < 1:
+        raise FragsimError(f"--instances must be >= 1, got {num_instances}")
+    roles = roles_of(replace(spec, instances=num_instances))
+    members = [Member(role, role, spec, allocator_name) for role in roles]
+    settings = Settings(router, slo_ttft_s, slo_tpot_s, spec.kv_transfer_bandwidth_gbps,
+                        spec.kv_transfer_latency_ms, spec.pd_threshold, spec.router_weights,
+                        spec.router_snapshot_ms, spec.router_kv_events_ms)
+    return run_members(trace, members, settings, allocator_name, progress, check)
+
+
+def run_members(trace: Any, members: list[Member], settings: Settings, label: str,
+                progress: Callable[[int], None] | None = None, check: bool = False) -> ClusterResult:
+    """Serve ``trace`` on one instance per member, behind ``settings.router``."""
     from fragsim.prefix import PrefixKeys
     from fragsim.simulate import RunResult, _model_gpu, make_engine
     from fragsim.simulate_summary import summarize
 
-    if num_instances < 1:
-        raise FragsimError(f"--instances must be >= 1, got {num_instances}")
+    router = settings.router
     if router not in ROUTERS:
         raise FragsimError(f"--router must be one of {', '.join(ROUTERS)}, got {router!r}")
-    roles = roles_of(replace(spec, instances=num_instances))
-    keys = PrefixKeys(trace, spec.block_size) if spec.prefix_caching else None
+    roles = [m.role for m in members]
+    block = _one_block_size(members)
+    keys = PrefixKeys(trace, block) if any(m.spec.prefix_caching for m in members) else None
     disaggregated = "prefill" in roles
     if disaggregated:
-        _refuse_with_disaggregation(allocator_name, spec)
+        for m in members:
+            _refuse_with_disaggregation(m.allocator, m.spec)
         # A prefill instance runs each prompt and its first token only (max_tokens=1).
         prompts_only = replace(trace, output_len=np.ones(len(trace), dtype=np.int64))
-    engines = [make_engine(prompts_only if role == "prefill" else trace, allocator_name, spec,
-                           check=check, prefix_keys=keys) for role in roles]
+    engines = [make_engine(prompts_only if m.role == "prefill" else trace, m.allocator, m.spec,
+                           check=check, prefix_keys=keys) for m in members]
+    prompt = np.asarray(trace.prompt_len)
     try:
-        policy = make_router(router, keys, np.asarray(trace.prompt_len), engines)
-        pools = Pools(roles, engines, lambda pool: make_router(router, keys, np.asarray(trace.prompt_len), pool)) \
+        session = getattr(trace, "session", None)
+        options = RouterOptions(settings.router_weights, settings.router_snapshot_ms / 1e3,
+                                None if settings.router_kv_events_ms is None else settings.router_kv_events_ms / 1e3)
+        policy = None if disaggregated else make_router(router, keys, prompt, engines, session, options)
+        pools = Pools(roles, engines, lambda pool: make_router(router, keys, prompt, pool, session, options)) \
             if disaggregated else None
     except ValueError as exc:
         raise FragsimError(f"--router {router}: {exc}") from None
-    done = [0] * num_instances
-    if progress is not None:
-        for i, engine in enumerate(engines):
-            if roles[i] == "prefill":
-                continue  # a request counts once, where it ends
-            def report(n: int, i: int = i) -> None:
-                done[i] = n
-                progress(sum(done))
-            engine.progress = report
+    _report_progress(engines, roles, progress)
     n = len(trace)
     env = simpy.Environment(initial_time=engines[0].now)
     link = None
     if pools is not None:
-        link = _wire_disaggregation(env, trace, spec, engines, pools)
-    elif num_instances == 1:  # one choice: nothing to decide, and exactly one run
+        link = _wire_disaggregation(env, trace, members, settings, engines, pools)
+    elif len(engines) == 1:  # one choice: nothing to decide, and exactly one run
         engines[0].requests.route_all(np.ones(n, dtype=bool))
-    elif policy.static:
-        where = policy.assign(n, num_instances)
+    elif policy is not None and policy.static:
+        where = policy.assign(n, len(engines))
         for i, engine in enumerate(engines):
             engine.requests.route_all(where == i)
     else:
@@ -109,27 +148,52 @@ def run_cluster(trace: Any, allocator_name: str, spec: Any, num_instances: int, 
     wall = time.perf_counter() - t0
     for engine in engines:
         engine.finish_run()
-    model, _ = _model_gpu(spec)
-    kv_bytes = model.kv_bytes_per_token_per_gpu(spec.tp)
     results = []
-    for i, engine in enumerate(engines):
-        summary, requests = summarize(engine, allocator_name, wall / num_instances, kv_bytes)
-        summary["instance"] = i
-        summary["role"] = roles[i]
+    for i, (m, engine) in enumerate(zip(members, engines, strict=True)):
+        model, _ = _model_gpu(m.spec)
+        kv_bytes = model.kv_bytes_per_token_per_gpu(m.spec.tp)
+        summary, requests = summarize(engine, m.allocator, wall / len(engines), kv_bytes)
+        summary.update(instance=i, pool=m.pool, role=m.role)
         requests.insert(0, "instance", i)
-        results.append(RunResult(allocator_name, summary, requests, pd.DataFrame(engine.rec.timeseries())))
-    requests = _requests(results, roles, link, trace)
-    summary = _cluster_summary(allocator_name, engines, results, requests, wall, router, slo_ttft_s, slo_tpot_s)
+        results.append(RunResult(m.allocator, summary, requests, pd.DataFrame(engine.rec.timeseries())))
+    requests = requests_table(results, roles, link, trace)
+    summary = cluster_summary(label, engines, results, requests, wall, router, settings.slo_ttft_s,
+                              settings.slo_tpot_s)
     if pools is not None:
         assert link is not None
         summary.update(pools.summary())
-        summary.update(_transfer_summary(link, engines, summary))
-        summary["pools"] = _pool_summaries(allocator_name, engines, results, roles, wall, router,
-                                           slo_ttft_s, slo_tpot_s)
-    elif num_instances > 1 and hasattr(policy, "summary"):
+        summary.update(transfer_summary(link, engines, summary))
+    elif len(engines) > 1 and policy is not None:
         summary.update(policy.summary())
+    names = [m.pool for m in members]
+    if len(set(names)) > 1:
+        summary["pools"] = pool_summaries(label, engines, results, names, roles, wall, router,
+                                          settings.slo_ttft_s, settings.slo_tpot_s)
     series = pd.concat([r.timeseries.assign(instance=i) for i, r in enumerate(results)], ignore_index=True)
-    return ClusterResult(allocator_name, summary, requests, results, series)
+    return ClusterResult(label, summary, requests, results, series)
+
+
+def _one_block_size(members: list[Member]) -> int:
+    sizes = {m.spec.block_size for m in members}
+    if len(sizes) > 1:
+        raise FragsimError(f"block_size: the pools differ ({', '.join(map(str, sorted(sizes)))}); a "
+                           "cluster's pools share one block size (prefix keys, KV transfers)")
+    return sizes.pop()
+
+
+def _report_progress(engines: list[Any], roles: list[str], progress: Callable[[int], None] | None) -> None:
+    """Requests done, counted where they end (not on a prefill instance)."""
+    if progress is None:
+        return
+    done = [0] * len(engines)
+    for i, engine in enumerate(engines):
+        if roles[i] == "prefill":
+            continue
+
+        def report(n: int, i: int = i) -> None:
+            done[i] = n
+            progress(sum(done))
+        engine.progress = report
 
 
 def _refuse_with_disaggregation(allocator_name: str, spec: Any) -> None:
@@ -146,15 +210,20 @@ def _refuse_with_disaggregation(allocator_name: str, spec: Any) -> None:
                            "continuous batching")
 
 
-def _wire_disaggregation(env: simpy.Environment, trace: Any, spec: Any, engines: list[Any],
-                         pools: Pools) -> KVLink:
+def _wire_disaggregation(env: simpy.Environment, trace: Any, members: list[Member], settings: Settings,
+                         engines: list[Any], pools: Pools) -> KVLink:
     """The link, each side's connector, and the router process of a disaggregated cluster."""
     from fragsim.simulate import _model_gpu
 
-    model, _ = _model_gpu(spec)
+    sides = [m for m in members if m.role != "mixed"]
+    models = {_model_gpu(m.spec)[0].name for m in sides}
+    if len(models) > 1:
+        raise FragsimError(f"model: the prefill and decode pools serve different models "
+                           f"({', '.join(sorted(models))}); a decode instance reads the KV a prefill made")
+    token_bytes = [_model_gpu(m.spec)[0].kv_bytes_per_token_per_gpu(m.spec.tp) * m.spec.tp for m in members]
     try:
-        link = KVLink(spec.kv_transfer_bandwidth_gbps * 1e9, spec.kv_transfer_latency_ms / 1e3,
-                      model.kv_bytes_per_token_per_gpu(spec.tp), spec.tp, spec.block_size)
+        link = KVLink(settings.kv_transfer_bandwidth_gbps * 1e9, settings.kv_transfer_latency_ms / 1e3,
+                      token_bytes, [m.spec.tp for m in members], members[0].spec.block_size)
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
     link.bind(env, len(engines))
@@ -178,7 +247,7 @@ def _wire_disaggregation(env: simpy.Environment, trace: Any, spec: Any, engines:
             engine.connector = DecodeSide(link, i, engine.requests)
             engine.requests.takes_hand_ins = True
     env.process(route_disaggregated(env, np.asarray(trace.arrival_s), np.asarray(trace.prompt_len),
-                                    engines, pools, spec.pd_threshold, _UrgentTimeout))
+                                    engines, pools, settings.pd_threshold, _UrgentTimeout))
     return link
 
 
@@ -218,166 +287,3 @@ def _route(env: simpy.Environment, arrival: np.ndarray, engines: list[Any], poli
     for engine in engines:
         engine.requests.routing_done = True
         engine.poke()
-
-
-#: split quantities added over instances (slots or bytes; means over each instance's span)
-_SPLIT = ("token_states", "reservation", "internal_fragmentation", "free")
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return bool(a == b)
-
-
-def _requests(results: list[Any], roles: list[str], link: KVLink | None, trace: Any) -> pd.DataFrame:
-    """One row per request: where it ended. A disaggregated request's row is its decode
-    instance's, with its prefill instance and its transfer; one that ended on its
-    prefill instance (refused there) keeps that row."""
-    frames = [r.requests for r in results]
-    if link is None:
-        return pd.concat(frames).sort_values("request_id").reset_index(drop=True)
-    prefill = pd.concat([f for f, role in zip(frames, roles, strict=True) if role == "prefill"])
-    rest = pd.concat([f for f, role in zip(frames, roles, strict=True) if role != "prefill"])
-    where = prefill.set_index("request_id")["instance"]
-    rest["prefill_instance"] = rest["request_id"].map(where).fillna(-1).astype(np.int64)
-    stuck = prefill[~prefill["request_id"].isin(rest["request_id"])].copy()
-    stuck["output_len"] = np.asarray(trace.output_len)[stuck["request_id"].to_numpy()]
-    stuck["prefill_instance"] = stuck["instance"]
-    out = pd.concat([rest, stuck]).sort_values("request_id").reset_index(drop=True)
-    moved = {job.req: job for job in link.done}
-    ids = out["request_id"].tolist()
-    out["kv_transfer_bytes"] = [moved[r].bytes if r in moved else 0 for r in ids]
-    out["kv_transfer_s"] = [(moved[r].end or 0.0) - moved[r].ready if r in moved else math.nan for r in ids]
-    return out
-
-
-def _cluster_summary(allocator: str, engines: list[Any], results: list[Any], requests: pd.DataFrame,
-                     wall: float, router: str, slo_ttft_s: float, slo_tpot_s: float) -> dict[str, Any]:
-    """The cluster's figures under the keys of one run: counts summed, the split over
-    every instance's pool together, latencies over every request (where it ended)."""
-    per = [r.summary for r in results]
-    cap = sum(engine.capacity for engine in engines)
-    done = requests["status"] == "finished"
-    # Every instance starts at the trace's first arrival and records until its last
-    # request is done: the cluster's span is the longest.
-    span = max(engine.rec.span_s for engine in engines)
-    ttft, tpot, e2e = (requests[c].to_numpy(dtype=np.float64) for c in ("ttft_s", "tpot_s", "e2e_latency_s"))
-    norm = requests["normalized_latency_s"].to_numpy(dtype=np.float64)
-    d = done.to_numpy()
-    out_tokens = int(requests.loc[done, "output_len"].sum()) * engines[0].cfg.width
-    good = d & (ttft <= slo_ttft_s) & ~(tpot > slo_tpot_s)  # a one-token answer has no TPOT
-
-    def pct(values: np.ndarray, q: float) -> float:
-        return float(np.percentile(values, q)) if len(values) else math.nan
-
-    summary: dict[str, Any] = {"allocator": allocator, "router": router, "num_instances": len(engines)}
-    for key in per[0]:
-        values = [s.get(key) for s in per]
-        if key.startswith(("num_", "prefix_cache_queries", "prefix_cache_hits", "external_prefix_cache")) \
-                and all(isinstance(v, int | np.integer) for v in values):
-            summary[key] = int(sum(values))
-    # A disaggregated request also finishes on its prefill instance: it counts where it ends.
-    ends = [s for s in per if s.get("role") != "prefill"] or per  # a prefill pool alone: its own
-    for key in ("num_finished", "num_truncated"):
-        summary[key] = int(sum(s[key] for s in ends))
-    summary["num_requests"] = len(requests)
-    summary["capacity_slots"] = sum(s["capacity_slots"] or 0 for s in per) or None
-    summary["capacity_bytes"] = sum(s["capacity_bytes"] or 0 for s in per)
-    means = {q: sum(e.rec.means()[q] for e in engines) for q in _SPLIT}
-    held = sum(e.rec.mean_held() for e in engines)
-    for q in _SPLIT:
-        summary[f"{q}_frac"] = means[q] / cap if cap else 0.0
-    sending = any(s.get("role") == "prefill" for s in per)  # held: for a transfer, else for stores
-    summary["store_pending_frac"] = held / cap if cap and not sending else 0.0
-    if sending:
-        summary["mean_kv_sending_slots"] = held
-        summary["kv_sending_frac"] = held / cap if cap else 0.0
-    if per[0].get("mean_token_states_slots") is not None:
-        for q in _SPLIT:
-            summary[f"mean_{q}_slots"] = means[q]
-    shared = sum(e.rec.mean_shared() for e in engines)
-    physical = cap - means["free"]
-    summary["mean_shared_slots"] = shared
-    summary["blocks_saved_frac"] = shared / (physical + shared) if physical + shared > 0 else 0.0
-    queries, hits = summary.get("prefix_cache_queries", 0), summary.get("prefix_cache_hits", 0)
-    summary.update({
-        "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-        "mean_running": sum(s["mean_running"] for s in per),
-        "peak_running": sum(s["peak_running"] for s in per),
-        "mean_waiting": sum(s["mean_waiting"] for s in per),
-        "mean_external_fragmentation_ratio": float(np.mean([s["mean_external_fragmentation_ratio"] for s in per])),
-        "peak_external_fragmentation_ratio": max(s["peak_external_fragmentation_ratio"] for s in per),
-        "throughput_tokens_per_s": out_tokens / span if span > 0 else 0.0,
-        "throughput_requests_per_s": float(d.sum()) / span if span > 0 else 0.0,
-        "goodput_rps": float(good.sum()) / span if span > 0 else 0.0,
-        "slo_ttft_s": slo_ttft_s,
-        "slo_tpot_s": slo_tpot_s,
-        "mean_ttft_s": float(np.mean(ttft[d])) if d.any() else math.nan,
-        "p50_ttft_s": pct(ttft[d], 50),
-        "p99_ttft_s": pct(ttft[d], 99),
-        "mean_tpot_s": float(np.nanmean(tpot[d])) if np.isfinite(tpot[d]).any() else math.nan,
-        "p99_tpot_s": pct(tpot[d][np.isfinite(tpot[d])], 99),
-        "mean_e2e_latency_s": float(np.mean(e2e[d])) if d.any() else math.nan,
-        "p99_e2e_latency_s": pct(e2e[d], 99),
-        "mean_normalized_latency_s": float(np.mean(norm[d])) if d.any() else math.nan,
-        "load_imbalance": _imbalance(per),
-        "sim_time_s": span,
-        "wall_time_s": wall,
-        "instances": per,
-    })
-    # Other keys of one run: the instances' common value, or None where they differ
-    # (a per-instance figure that does not add up; see "instances").
-    for key in per[0]:
-        if key not in summary:
-            values = [s.get(key) for s in per]
-            same = all(_equal(v, values[0]) for v in values[1:])
-            summary[key] = values[0] if same else None
-    assert int((requests["status"] == "finished").sum()) == sum(
-        int((e.requests.status == FINISHED).sum()) for e, s in zip(engines, per, strict=True) if s in ends)
-    return summary
-
-
-def _imbalance(per: list[dict[str, Any]]) -> float:
-    """How unevenly the work spread: in each pool, the busiest instance's requests over
-    the pool's mean; the largest of those."""
-    worst = 1.0
-    for role in {s.get("role", "mixed") for s in per}:
-        counts = [s["num_requests"] for s in per if s.get("role", "mixed") == role]
-        if sum(counts):
-            worst = max(worst, max(counts) / (sum(counts) / len(counts)))
-    return worst
-
-
-def _pool_summaries(allocator: str, engines: list[Any], results: list[Any], roles: list[str],
-                    wall: float, router: str, slo_ttft_s: float, slo_tpot_s: float) -> list[dict[str, Any]]:
-    """One summary per pool (instances of one role), with the cluster's keys; a prefill
-    pool's latencies are its own (the first token its prefill makes)."""
-    out = []
-    for role in ROLES:
-        members = [i for i, r in enumerate(roles) if r == role]
-        if not members:
-            continue
-        part = [results[i] for i in members]
-        requests = pd.concat([r.requests for r in part], ignore_index=True)
-        summary = _cluster_summary(allocator, [engines[i] for i in members], part, requests, wall,
-                                   router, slo_ttft_s, slo_tpot_s)
-        summary.pop("instances")
-        summary.update(role=role, instance_ids=members)
-        out.append(summary)
-    return out
-
-
-def _transfer_summary(link: KVLink, engines: list[Any], summary: dict[str, Any]) -> dict[str, Any]:
-    """Where the bytes are while requests change instance, besides the prefill side's
-    copies held for a transfer (``kv_sending_frac``, a part of the split): the decode
-    side's blocks reserved for one (part of ``reservation``), and the bytes at both
-    ends (counted in both)."""
-    cap = sum(engine.capacity for engine in engines)
-    span = summary["sim_time_s"]
-    out = link.summary(span)
-    out.update({
-        "kv_receiving_frac": out["mean_kv_receiving_slots"] / cap if cap else 0.0,
-        "kv_duplicated_frac": out["mean_kv_duplicated_slots"] / cap if cap else 0.0,
-    })
-    return out

@@ -20,8 +20,9 @@ decode side (:class:`DecodeSide`)
 
         TTFT = prefill + latency + moved tokens × bytes per token per GPU / bandwidth + first step
 
-The link (:class:`KVLink`): every instance has one port (each GPU its own NIC, so a
-transfer moves every GPU's share at once, each at the link's bandwidth). A transfer
+The link (:class:`KVLink`): every instance has one port, each GPU its own NIC, so a
+transfer's bytes move over as many NICs at once as the smaller side has GPUs, each
+at the link's bandwidth. A transfer
 waits the base latency, takes the sender's port, then the receiver's (always in that
 order, so no two transfers wait on each other), and holds both for its bytes over the
 bandwidth: transfers that share a port queue for it, first come, first served.
@@ -76,14 +77,16 @@ def _next_done(jobs: Any) -> float | None:
 class KVLink:
     """The instances' ports and the transfers between them (see the module docstring)."""
 
-    def __init__(self, bandwidth: float, latency_s: float, per_gpu_token_bytes: int, tp: int,
+    def __init__(self, bandwidth: float, latency_s: float, token_bytes: list[int], tp: list[int],
                  block_size: int) -> None:
+        """``token_bytes``: one token's KV on each instance, every GPU together; ``tp``:
+        each instance's GPUs."""
         if bandwidth <= 0:
             raise ValueError(f"--kv-transfer-bandwidth must be > 0, got {bandwidth / 1e9:g} GB/s")
         if latency_s < 0:
             raise ValueError(f"--kv-transfer-latency-ms must be >= 0, got {latency_s * 1e3:g}")
         self.bandwidth, self.latency = bandwidth, latency_s
-        self.per_gpu_token_bytes, self.tp, self.block = per_gpu_token_bytes, tp, block_size
+        self.token_bytes, self.tp, self.block = token_bytes, tp, block_size
         self.env: simpy.Environment | None = None
         self.ports: list[simpy.Resource] = []
         self.senders: dict[int, PrefillSide] = {}
@@ -101,8 +104,10 @@ class KVLink:
         """Move ``tokens`` tokens' blocks of ``req`` (the decode side reserved them now)."""
         assert self.env is not None, "bind() the link first"
         moved = -(-tokens // self.block) * self.block
-        job = Handoff(req, sender, receiver, tokens, moved * self.per_gpu_token_bytes * self.tp,
-                      moved * self.per_gpu_token_bytes / self.bandwidth, now, self.latency)
+        size = moved * self.token_bytes[sender]
+        # Each GPU its own NIC: as many move at once as the smaller side has.
+        lanes = min(self.tp[sender], self.tp[receiver])
+        job = Handoff(req, sender, receiver, tokens, size, size / (lanes * self.bandwidth), now, self.latency)
         self.senders[sender].jobs[req] = job
         self.env.process(self._run(job))
         return job

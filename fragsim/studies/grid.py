@@ -125,18 +125,22 @@ def _columns(study: str, case: str, point_id: str, spec: RunSpec,
 
 def expand_trace(study: Study, trace: str, traces_dir: str | Path | None) -> str:
     """Replace ``${SHARED_TRACES}`` by ``traces_dir`` or $FRAGSIM_SHARED_TRACES."""
+    return expand_trace_path(trace, traces_dir, study.path.name)
+
+
+def expand_trace_path(trace: str, traces_dir: str | Path | None, label: str) -> str:
+    """``trace`` with ``${SHARED_TRACES}`` replaced (``label``: the file it came from)."""
     if "${" not in trace:
         return trace
     rest = trace.replace(SHARED_TRACES, "", 1)
     if SHARED_TRACES not in trace or "${" in rest:
-        raise FragsimError(f"{study.path.name}: trace {trace!r}: the only variable is {SHARED_TRACES}")
+        raise FragsimError(f"{label}: trace {trace!r}: the only variable is {SHARED_TRACES}")
     folder = traces_dir if traces_dir is not None else os.environ.get(SHARED_TRACES_ENV)
     if not folder:
         raise FragsimError(
-            f"{study.path.name}: trace {trace!r} needs the public traces folder: "
+            f"{label}: trace {trace!r} needs the public traces folder: "
             f"pass --traces-dir DIR or set {SHARED_TRACES_ENV}")
     path = Path(folder) / rest.lstrip("/\\")
     if not path.is_file():
-        raise FragsimError(f"{study.path.name}: trace {trace!r}: {path} not found "
-                           f"(traces folder {folder})")
+        raise FragsimError(f"{label}: trace {trace!r}: {path} not found (traces folder {folder})")
     return str(path)

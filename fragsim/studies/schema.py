@@ -76,6 +76,7 @@ from fragsim.studies.schema_values import (  # noqa: F401
     CHOICES,
     SPEC_TYPES,
     SWEEPABLE,
+    Where,
     _axes,
     _list,
     _no_unknown,
@@ -83,7 +84,6 @@ from fragsim.studies.schema_values import (  # noqa: F401
     _required,
     _table,
     _typed,
-    _Where,
 )
 
 if sys.version_info >= (3, 11):
@@ -98,7 +98,7 @@ TOP_TABLES = {"study", "fixed", "workload", "sweep", "cases", "figures"}
 def load_study(path: str | Path) -> Study:
     """Read and check ``path``; raise FragsimError naming the key on any mistake."""
     path = Path(path)
-    where = _Where(path)
+    where = Where(path)
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fragsim.studies.schema_study import Case, FigureSpec, Study, case_workload
-from fragsim.studies.schema_values import _axes, _no_unknown, _params, _required, _typed, _Where
+from fragsim.studies.schema_values import Where, _axes, _no_unknown, _params, _required, _typed
 from fragsim.studies.workloads import TIMED_KINDS, check_workload
 
 FIGURE_KINDS = ("split_bars", "lines", "bars", "timeseries")
@@ -19,7 +19,7 @@ FIGURE_KEYS = {"kind", "file", "title", "x", "y", "panels", "group", "logx", "lo
                "ymax", "hline"}
 
 
-def _allocators(where: _Where, table: str, value: Any) -> tuple[str, ...]:
+def _allocators(where: Where, table: str, value: Any) -> tuple[str, ...]:
     from fragsim.allocators import PLACEMENTS, PRESETS
     from fragsim.hybrid import MANAGERS
 
@@ -34,7 +34,7 @@ def _allocators(where: _Where, table: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _workload(where: _Where, table: str, value: Any) -> dict[str, Any] | None:
+def _workload(where: Where, table: str, value: Any) -> dict[str, Any] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -45,7 +45,7 @@ def _workload(where: _Where, table: str, value: Any) -> dict[str, Any] | None:
         raise where.error(table, None, str(exc)) from None
 
 
-def _cases(where: _Where, raw: Any, sweep: Mapping[str, Any]) -> tuple[Case, ...]:
+def _cases(where: Where, raw: Any, sweep: Mapping[str, Any]) -> tuple[Case, ...]:
     if not isinstance(raw, list) or not all(isinstance(c, dict) for c in raw):
         raise where.error("[[cases]]", None, "expected an array of tables")
     cases = []
@@ -76,7 +76,7 @@ def _cases(where: _Where, raw: Any, sweep: Mapping[str, Any]) -> tuple[Case, ...
     return tuple(cases)
 
 
-def _figure(where: _Where, index: int, raw: Mapping[str, Any]) -> FigureSpec:
+def _figure(where: Where, index: int, raw: Mapping[str, Any]) -> FigureSpec:
     table = f"[[figures]] #{index + 1}"
     _no_unknown(where, table, raw, FIGURE_KEYS)
     kind = _typed(where, table, "kind", _required(where, table, "kind", raw), str)
@@ -106,7 +106,7 @@ def _figure(where: _Where, index: int, raw: Mapping[str, Any]) -> FigureSpec:
     return spec
 
 
-def _names(where: _Where, table: str, key: str, value: Any) -> tuple[str, ...]:
+def _names(where: Where, table: str, key: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
@@ -114,7 +114,7 @@ def _names(where: _Where, table: str, key: str, value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _check_trace_source(where: _Where, study: Study) -> None:
+def _check_trace_source(where: Where, study: Study) -> None:
     """A point reads a trace or generates a workload, never both, never neither."""
     for case in study.cases or (None,):
         table = f"[[cases]] {case.label!r}" if case else "[fixed]"

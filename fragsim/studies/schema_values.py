@@ -1,5 +1,5 @@
 """Checking an experiment file's keys and values: errors that name the file, the
-table and the key (:class:`_Where`), tables and arrays of tables, required keys,
+table and the key (:class:`Where`), tables and arrays of tables, required keys,
 typed values, :class:`~fragsim.simulate.RunSpec` parameters against the field's type
 and allowed values (:data:`SPEC_TYPES`, :data:`CHOICES`) and sweep axes. The tables
 of a study are read with these in :mod:`fragsim.studies.schema_tables`.
@@ -13,6 +13,7 @@ from pathlib import Path
 from types import UnionType
 from typing import Any
 
+from fragsim.cluster.routers import ROUTERS
 from fragsim.costmodel import COST_MODELS
 from fragsim.errors import FragsimError
 from fragsim.offload.policies import POLICIES as OFFLOAD_POLICIES
@@ -35,10 +36,11 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "reserve": ("max", "pow2", "oracle"),
     "kv_offloading_backend": OFFLOAD_BACKENDS,
     "kv_offloading_policy": tuple(OFFLOAD_POLICIES),
+    "router": ROUTERS,
 }
 
 
-class _Where:
+class Where:
     """Builds error messages that name the file and the table."""
 
     def __init__(self, path: Path) -> None:
@@ -51,7 +53,7 @@ class _Where:
 
 # ---------------------------------------------------------------- tables and keys
 
-def _table(where: _Where, raw: Mapping[str, Any], name: str, required: bool = False) -> dict[str, Any]:
+def _table(where: Where, raw: Mapping[str, Any], name: str, required: bool = False) -> dict[str, Any]:
     if name not in raw:
         if required:
             raise where.error(f"[{name}]", None, "missing table")
@@ -62,26 +64,26 @@ def _table(where: _Where, raw: Mapping[str, Any], name: str, required: bool = Fa
     return value
 
 
-def _list(where: _Where, raw: Mapping[str, Any], name: str) -> list[Any]:
+def _list(where: Where, raw: Mapping[str, Any], name: str) -> list[Any]:
     value = raw.get(name, [])
     if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
         raise where.error(f"[[{name}]]", None, "expected an array of tables")
     return value
 
 
-def _no_unknown(where: _Where, table: str, values: Mapping[str, Any], allowed: set[str]) -> None:
+def _no_unknown(where: Where, table: str, values: Mapping[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(values) - allowed)
     if unknown:
         raise where.error(table, unknown[0], f"unknown key; allowed: {', '.join(sorted(allowed))}")
 
 
-def _required(where: _Where, table: str, key: str, values: Mapping[str, Any]) -> Any:
+def _required(where: Where, table: str, key: str, values: Mapping[str, Any]) -> Any:
     if key not in values:
         raise where.error(table, key, "required")
     return values[key]
 
 
-def _typed(where: _Where, table: str, key: str, value: Any, kind: type) -> Any:
+def _typed(where: Where, table: str, key: str, value: Any, kind: type) -> Any:
     if not _is_a(value, kind):
         raise where.error(table, key, f"expected {_type_name(kind)}, got {value!r}")
     return float(value) if kind is float else value
@@ -115,7 +117,7 @@ def _type_name(kind: Any) -> str:
         kind, getattr(kind, "__name__", str(kind)))
 
 
-def _param(where: _Where, table: str, key: str, value: Any, allow_seed: bool = False) -> Any:
+def spec_param(where: Where, table: str, key: str, value: Any, allow_seed: bool = False) -> Any:
     """One RunSpec value, checked against the field's type and its allowed values."""
     kind = (SWEEPABLE if allow_seed else SPEC_TYPES).get(key)
     if kind is None:
@@ -134,11 +136,11 @@ def _param(where: _Where, table: str, key: str, value: Any, allow_seed: bool = F
     return value
 
 
-def _params(where: _Where, table: str, values: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _param(where, table, k, v) for k, v in values.items()}
+def _params(where: Where, table: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: spec_param(where, table, k, v) for k, v in values.items()}
 
 
-def _axes(where: _Where, table: str, values: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
+def _axes(where: Where, table: str, values: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
     """Sweep axes: every value a non-empty list; workload parameters as ``workload.x``."""
     axes: dict[str, tuple[Any, ...]] = {}
     for key, value in values.items():
@@ -146,12 +148,12 @@ def _axes(where: _Where, table: str, values: Mapping[str, Any]) -> dict[str, tup
             for wkey, wvalues in value.items():
                 axes[f"workload.{wkey}"] = _axis(where, table, f"workload.{wkey}", wvalues)
             continue
-        axes[key] = tuple(_param(where, table, key, v, allow_seed=True)
+        axes[key] = tuple(spec_param(where, table, key, v, allow_seed=True)
                           for v in _axis(where, table, key, value))
     return axes
 
 
-def _axis(where: _Where, table: str, key: str, value: Any) -> tuple[Any, ...]:
+def _axis(where: Where, table: str, key: str, value: Any) -> tuple[Any, ...]:
     if not isinstance(value, list) or not value:
         raise where.error(table, key, "expected a non-empty list")
     if len({repr(v) for v in value}) != len(value):

@@ -152,6 +152,21 @@ def hash_counts(hashes: Sequence[Sequence[int]], prompt: np.ndarray, block_size:
             f"{block_size} tokens of {prompt_field} {int(prompt[index])}), got {int(counts[index])}")
 
 
+def session_ids(values: Sequence[object], raw: RawValue, field: str, at: Locator,
+                text: bool = False) -> np.ndarray:
+    """Check that every session id is an integer in ``[0, 2**63)``; return them as int64.
+
+    JSON values must be integers (not ``3.0``, ``"3"`` or ``true``); with ``text``
+    the values are CSV cells, integer text.
+    """
+    ids = [_as_int(v) if text else v if type(v) is int else None for v in values]
+    top = int(np.iinfo(np.int64).max)
+    index = next((i for i, v in enumerate(ids) if v is None or not 0 <= v <= top), None)
+    if index is not None:
+        raise at.error(index, field, "a non-negative integer", raw(index))
+    return np.array(ids, dtype=np.int64)
+
+
 def _as_int(value: object) -> int | None:
     if type(value) is int:
         return value

@@ -16,11 +16,17 @@ Formats (extra columns or keys are ignored):
   line has it, required on every line. Its length is not checked against
   ``input_length``.
 
+Session ids (:attr:`Trace.session <fragsim.traces.request.Trace.session>`, the
+conversation a request belongs to) are read when the file has them: in JSON lines
+from the first of the keys ``session``, ``session_id``, ``conversation_id``,
+``chat_id`` that any record has (then every record needs it), in any CSV format
+from a ``session_id`` (else ``session``) column. Each must be an integer >= 0.
+
 The *plain CSV* is fragsim's own (:func:`save_trace` writes it): one request per
 row, ``arrival_time_s`` in seconds, ``prompt_len`` and ``output_len`` in tokens,
-and an optional ``block_hashes`` column holding the request's prefix-block hashes
+an optional ``block_hashes`` column holding the request's prefix-block hashes
 as space-separated integers (``"0 14 15"``), one per 512 prompt tokens as in
-Mooncake's ``hash_ids``.
+Mooncake's ``hash_ids``, and an optional ``session_id`` column.
 
 Every loaded trace starts at 0.0: arrivals are seconds since the earliest one.
 Rows out of time order are sorted (stably) with a ``UserWarning`` saying how many
@@ -89,6 +95,10 @@ CSV_FORMATS = (
               "num_prefill_tokens", "num_decode_tokens"),
 )  # fmt: skip
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+#: Record keys read as the session id, in order of preference.
+SESSION_KEYS = ("session", "session_id", "conversation_id", "chat_id")
+#: CSV columns read as the session id, in order of preference.
+SESSION_COLUMNS = ("session_id", "session")
 SUPPORTED = "; ".join(
     [f"{f.title} ({','.join(f.required)})" for f in CSV_FORMATS]
     + [f"Mooncake JSONL ({{{', '.join(MOONCAKE_KEYS)}, hash_ids}})"]
@@ -115,7 +125,9 @@ def load_trace(name_or_path: str | os.PathLike[str]) -> Trace:
 
 
 def save_trace(trace: Trace, path: str | os.PathLike[str]) -> None:
-    """Write ``trace`` as a plain CSV (atomically), which :func:`load_trace` reads back."""
+    """Write ``trace`` as a plain CSV (atomically), which :func:`load_trace` reads back.
+
+    Session ids, when the trace has them, go in a ``session_id`` column."""
     _check_hash_size(trace)
     frame = trace.to_frame()
     if trace.block_hashes is not None:
@@ -127,7 +139,8 @@ def save_mooncake(trace: Trace, path: str | os.PathLike[str],
                   extra: dict[str, Sequence[int] | np.ndarray] | None = None) -> None:
     """Write ``trace`` as Mooncake JSON lines (timestamps in whole milliseconds), atomically.
 
-    ``extra`` adds integer fields per record (e.g. a session id); readers ignore them."""
+    Session ids, when the trace has them, go in each record's ``session``. ``extra``
+    adds integer fields per record (e.g. a turn number); readers ignore them."""
     _check_hash_size(trace)
     columns: dict[str, list] = {
         "timestamp": np.rint(trace.arrival_s * 1000.0).astype(np.int64).tolist(),
@@ -136,7 +149,11 @@ def save_mooncake(trace: Trace, path: str | os.PathLike[str],
     }
     if trace.block_hashes is not None:
         columns["hash_ids"] = [list(h) for h in trace.block_hashes]
+    if trace.session is not None:
+        columns["session"] = trace.session.tolist()
     for key, values in (extra or {}).items():
+        if key in columns or key in SESSION_KEYS:
+            raise ValueError(f"extra field {key!r} would clash with the trace's own fields")
         columns[key] = [int(v) for v in values]
     keys = list(columns)
     lines = (json.dumps(dict(zip(keys, row, strict=True))) for row in zip(*columns.values(), strict=True))
@@ -197,15 +214,23 @@ def _load_csv(path: Path, label: str, trace_name: str, source: str, first: str) 
         cells = frame[fmt.hashes].str.split().tolist()
         hashes = col.hash_tuples(cells, col.csv_raw(frame[fmt.hashes]), fmt.hashes, at)
         col.hash_counts(hashes, prompt, MOONCAKE_BLOCK_SIZE, fmt.hashes, fmt.prompt, at)
+    session = None
+    session_column = next((c for c in SESSION_COLUMNS if c in frame.columns), None)
+    if session_column is not None:
+        cells = frame[session_column]
+        session = col.session_ids(cells.tolist(), col.csv_raw(cells), session_column, at,
+                                  text=True)
     if fmt.arrival is None:
-        return Trace(trace_name, source, np.zeros(len(frame)), prompt, output, has_timestamps=False)
+        return Trace(trace_name, source, np.zeros(len(frame)), prompt, output, has_timestamps=False,
+                     session=session)
     raw = frame[fmt.arrival]
     if fmt.arrival_is_datetime:
         arrival = col.datetime_seconds(raw, fmt.arrival, at)
     else:
         arrival = col.finite_seconds(col.csv_numbers(raw), col.csv_raw(raw), fmt.arrival, at)
     block_size = MOONCAKE_BLOCK_SIZE if hashes is not None else None
-    return _sorted_trace(trace_name, source, label, arrival, prompt, output, hashes, block_size)
+    return _sorted_trace(trace_name, source, label, arrival, prompt, output, hashes, block_size,
+                         session)
 
 
 def _csv_lengths(frame: pd.DataFrame, field: str, at: col.Locator) -> np.ndarray:
@@ -253,7 +278,26 @@ def _load_mooncake(path: Path, label: str, trace_name: str, source: str) -> Trac
         col.hash_counts(hashes, prompt, MOONCAKE_BLOCK_SIZE, "hash_ids", "input_length", at)
     block_size = MOONCAKE_BLOCK_SIZE if hashes is not None else None
     seconds = arrival / 1000.0
-    return _sorted_trace(trace_name, source, label, seconds, prompt, output, hashes, block_size)
+    session = _mooncake_sessions(records, at)
+    return _sorted_trace(trace_name, source, label, seconds, prompt, output, hashes, block_size,
+                         session)
+
+
+def _mooncake_sessions(records: list[dict[str, object]], at: col.Locator) -> np.ndarray | None:
+    """The records' session ids under the first of :data:`SESSION_KEYS` any record has."""
+    key = next((k for k in SESSION_KEYS if any(k in r for r in records)), None)
+    if key is None:
+        return None
+    values = [r.get(key, _MISSING) for r in records]
+    absent = next((i for i, v in enumerate(values) if v is _MISSING), None)
+    if absent is not None:
+        present = next(i for i, v in enumerate(values) if v is not _MISSING)
+        other = at.where(present)[len(at.label) + 2:]  # "line 3"
+        raise FragsimError(
+            f"{at.where(absent)}: field '{key}': missing ({other} has it; a session id goes "
+            "on every record or on none)"
+        )
+    return col.session_ids(values, col.json_raw(values), key, at)
 
 
 _MISSING = object()
@@ -302,6 +346,7 @@ def _sorted_trace(
     output: np.ndarray,
     hashes: list[tuple[int, ...]] | None,
     block_hash_size: int | None,
+    session: np.ndarray | None = None,
 ) -> Trace:
     """Sort rows by arrival (warning if they were not) and re-zero the arrival times."""
     num_out_of_order = int(np.count_nonzero(np.diff(arrival) < 0))
@@ -316,6 +361,8 @@ def _sorted_trace(
         arrival, prompt, output = arrival[order], prompt[order], output[order]
         if hashes is not None:
             hashes = [hashes[i] for i in order.tolist()]
+        if session is not None:
+            session = session[order]
     return Trace(
         trace_name,
         source,
@@ -324,6 +371,7 @@ def _sorted_trace(
         output,
         block_hashes=hashes,
         block_hash_size=block_hash_size,
+        session=session,
     )
 
 

@@ -1,7 +1,8 @@
 """One request, and a whole trace of them held column by column.
 
 A trace of a million requests is three numpy arrays (and, for Mooncake traces, a
-list of block-hash tuples), not a million objects: the engine and the statistics
+list of block-hash tuples; for traces that record conversations, a session-id
+array), not a million objects: the engine and the statistics
 read the columns directly, and :meth:`Trace.requests` builds :class:`Request`
 objects only for whoever iterates.
 
@@ -12,6 +13,8 @@ Invariants, checked when a :class:`Trace` is built::
     output_len   int64, every value >= 1
     block_hashes None, or one tuple per row (row i covers prompt tokens
                  [k * block_hash_size, (k + 1) * block_hash_size) with its k-th hash)
+    session      None, or int64 with every value >= 0: the conversation each row
+                 belongs to (equal ids, same session; the ids need not be dense)
 
 The arrays are made read-only, so slices of one trace may share memory with it
 without one caller's edit showing up in another's simulation.
@@ -57,6 +60,17 @@ def _frozen_array(values: object, dtype: type) -> np.ndarray:
     return array
 
 
+def _session_ids(values: object, num_rows: int) -> np.ndarray:
+    raw = np.asarray(values)
+    if raw.size and raw.dtype.kind not in "iu":
+        raise ValueError(f"Trace session must hold integers, got dtype {raw.dtype}")
+    if raw.ndim != 1 or len(raw) != num_rows:
+        raise ValueError(f"Trace session has shape {raw.shape}, not one id per row ({num_rows})")
+    if raw.size and (raw.min() < 0 or raw.max() > np.iinfo(np.int64).max):
+        raise ValueError("Trace session ids must all be >= 0 (and fit in int64)")
+    return _frozen_array(raw, np.int64)
+
+
 @dataclass(frozen=True, eq=False)
 class Trace:
     """A request trace in columns; row ``i`` is request ``i`` (see the module invariants)."""
@@ -69,6 +83,7 @@ class Trace:
     block_hashes: list[tuple[int, ...]] | None = None
     block_hash_size: int | None = None
     has_timestamps: bool = True
+    session: np.ndarray | None = None
     _num_rows: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +109,8 @@ class Trace:
                 raise ValueError(f"Trace block_hashes has {len(self.block_hashes)} rows, not {n}")
             if self.block_hash_size is None or self.block_hash_size < 1:
                 raise ValueError("Trace block_hash_size must be >= 1 when block_hashes is given")
+        if self.session is not None:
+            object.__setattr__(self, "session", _session_ids(self.session, n))
         object.__setattr__(self, "arrival_s", arrival)
         object.__setattr__(self, "prompt_len", prompt)
         object.__setattr__(self, "output_len", output)
@@ -153,6 +170,8 @@ class Trace:
         }
         if self.block_hashes is not None:
             columns["block_hashes"] = list(self.block_hashes)
+        if self.session is not None:
+            columns["session_id"] = self.session
         frame = pd.DataFrame(columns)
         frame.index.name = "request_id"
         return frame

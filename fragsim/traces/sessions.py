@@ -78,7 +78,9 @@ class SessionSpec:
 
 @dataclass
 class Sessions:
-    """A session trace and, per request, its session and turn (both from 0)."""
+    """A session trace and, per request, its session and turn (both from 0).
+
+    ``session`` is the trace's own ``session`` column."""
 
     trace: Trace
     session: np.ndarray
@@ -145,6 +147,7 @@ def make_sessions(spec: SessionSpec) -> Sessions:
     source = (f"sessions:n={n},rate={spec.session_rate:g},turns={spec.turns_mean:g},"
               f"think={spec.think_time_s:g}s,lengths={spec.lengths},system={S},seed={spec.seed}")
     trace = Trace("sessions", source, np.asarray(arrival), np.asarray(prompt_len),
-                  np.asarray(output_len),
-                  block_hashes=hashes, block_hash_size=H)
-    return Sessions(trace, np.asarray(session, dtype=np.int64), np.asarray(turn, dtype=np.int64))
+                  np.asarray(output_len), block_hashes=hashes, block_hash_size=H,
+                  session=np.asarray(session, dtype=np.int64))
+    assert trace.session is not None
+    return Sessions(trace, trace.session, np.asarray(turn, dtype=np.int64))

@@ -65,6 +65,7 @@ def slice_trace(
         prompt_len=trace.prompt_len[lo:hi],
         output_len=trace.output_len[lo:hi],
         block_hashes=None if trace.block_hashes is None else trace.block_hashes[lo:hi],
+        session=None if trace.session is None else trace.session[lo:hi],
     )
 
 
@@ -93,8 +94,9 @@ def scale_load(trace: Trace, copies: int, seed: int = 0) -> Trace:
     times the trace's, so its peaks stay peaks (at the scale of one gap the copies
     crowd together: the inter-arrival CV rises). Each copy's content hashes are its own (copy ``j`` adds
     ``j × (largest hash + 1)``): ``K`` copies of a conversation are ``K``
-    conversations, not one asked ``K`` times. Rows are sorted by arrival, ties kept
-    in copy order.
+    conversations, not one asked ``K`` times. Session ids likewise (copy ``j`` adds
+    ``j × (largest id + 1)``; ids too large for that in int64 are first renumbered
+    0, 1, ... in order of value). Rows are sorted by arrival, ties kept in copy order.
     """
     if copies < 1:
         raise FragsimError(f"load scale must be a whole number >= 1, got {copies!r}")
@@ -112,6 +114,7 @@ def scale_load(trace: Trace, copies: int, seed: int = 0) -> Trace:
         stride = 1 + max((max(h) for h in trace.block_hashes if h), default=0)
         merged = [tuple(x + j * stride for x in h) for j in range(copies) for h in trace.block_hashes]
         hashes = [merged[i] for i in order.tolist()]
+    session = None if trace.session is None else _copied_sessions(trace.session, copies)[order]
     return dataclasses.replace(
         trace,
         name=f"{trace.name}x{copies}",
@@ -120,4 +123,13 @@ def scale_load(trace: Trace, copies: int, seed: int = 0) -> Trace:
         prompt_len=np.tile(trace.prompt_len, copies)[order],
         output_len=np.tile(trace.output_len, copies)[order],
         block_hashes=hashes,
+        session=session,
     )
+
+
+def _copied_sessions(session: np.ndarray, copies: int) -> np.ndarray:
+    """``copies`` copies of the session ids, copy ``j``'s shifted past copy ``j - 1``'s."""
+    if int(session.max()) + 1 > np.iinfo(np.int64).max // copies:
+        session = np.unique(session, return_inverse=True)[1].astype(np.int64)
+    stride = int(session.max()) + 1
+    return np.concatenate([session + j * stride for j in range(copies)])
