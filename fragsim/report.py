@@ -87,11 +87,18 @@ def write_results(out_root: Path, config: dict[str, Any], results: Sequence[Any]
         for r in results:
             r.requests.to_parquet(tmp / f"requests-{r.allocator}.parquet", index=False)
             r.timeseries.to_parquet(tmp / f"timeseries-{r.allocator}.parquet", index=False)
+            if getattr(r, "transfers", None) is not None:
+                r.transfers.to_parquet(tmp / f"transfers-{r.allocator}.parquet", index=False)
         if plot:
             plot_split_bars(summaries, tmp / "memory_split.png")
             plot_split_over_time([i for r in results for i in _instances(r)], tmp / "memory_over_time.png")
             if any(s.get("tiers") for s in summaries):
                 plot_tiers(summaries, tmp / "tiers.png")
+            moved = [r for r in results if getattr(r, "transfers", None) is not None and len(r.transfers)]
+            if moved:
+                from fragsim.cluster.plots import plot_transfers
+
+                plot_transfers(moved, tmp / "transfers.png")
             hybrid = [r for r in results if r.summary.get("by_kind")]
             if hybrid:
                 plot_kinds_over_time(hybrid, tmp / "memory_by_kind.png")

@@ -51,6 +51,7 @@ class ClusterResult:
     instances: list[Any]        # each instance's RunResult
     timeseries: pd.DataFrame
     address_map: dict[str, Any] | None = None
+    transfers: pd.DataFrame | None = None   # one row per KV transfer (prefill/decode split)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,8 @@ def run_members(trace: Any, members: list[Member], settings: Settings, label: st
         summary["pools"] = pool_summaries(label, engines, results, names, roles, wall, router,
                                           settings.slo_ttft_s, settings.slo_tpot_s)
     series = pd.concat([r.timeseries.assign(instance=i) for i, r in enumerate(results)], ignore_index=True)
-    return ClusterResult(label, summary, requests, results, series)
+    transfers = link.table() if link is not None else None
+    return ClusterResult(label, summary, requests, results, series, transfers=transfers)
 
 
 def _one_block_size(members: list[Member]) -> int:

@@ -142,6 +142,21 @@ class KVLink:
         self.duplicated += job.tokens * ((job.end - job.start) / 2 + (now - job.end))
         self.done.append(job)
 
+    def table(self) -> Any:
+        """One row per transfer that landed: who, how much, and when."""
+        import pandas as pd
+
+        return pd.DataFrame({
+            "request_id": [job.req for job in self.done],
+            "sender": [job.sender for job in self.done],
+            "receiver": [job.receiver for job in self.done],
+            "tokens": [job.tokens for job in self.done],
+            "bytes": [job.bytes for job in self.done],
+            "reserved_s": [job.ready for job in self.done],
+            "start_s": [job.start for job in self.done],
+            "end_s": [job.end for job in self.done],
+        })
+
     def summary(self, span: float) -> dict[str, Any]:
         """The cluster's transfer figures (means over ``span`` seconds, in slots)."""
         done = self.done
