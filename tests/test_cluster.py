@@ -55,6 +55,20 @@ def test_one_prefix_aware_instance_with_a_tier_is_exactly_one_run() -> None:
     assert cluster["instances"][0]["tiers"] == one["tiers"]
 
 
+def test_a_hybrid_manager_behind_a_router() -> None:
+    """One instance is one run; two keep the byte split, padding and out-of-window
+    parts included, over both pools."""
+    run = spec(model="gpt-oss-20b", gpu="h100-80gb", kv_cache_memory_bytes=2 * 2**30, num_requests=300)
+    trace = load_workload(run)
+    one = simulate(trace, "vllm-hybrid", run, check=True).summary
+    same_as_one_run(run_cluster(trace, "vllm-hybrid", run, 1, "least-loaded", check=True).summary, one)
+    two = run_cluster(trace, "vllm-hybrid", run, 2, "least-loaded", check=True).summary
+    parts = ("token_states", "reservation", "internal_fragmentation", "padding", "out_of_window", "free")
+    assert two["out_of_window_frac"] > 0
+    assert sum(two[f"{q}_frac"] for q in parts) == pytest.approx(1.0, abs=1e-9)
+    assert two["num_finished"] + two["num_refused"] == 300
+
+
 def test_round_robin_splits_the_trace_and_every_request_is_answered() -> None:
     run = spec()
     trace = load_workload(run)

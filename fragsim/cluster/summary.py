@@ -81,7 +81,7 @@ def cluster_summary(allocator: str, engines: list[Any], results: list[Any], requ
     means = {q: sum(e.rec.means()[q] for e in engines) for q in _SPLIT}
     held = sum(e.rec.mean_held() for e in engines)
     for q in _SPLIT:
-        summary[f"{q}_frac"] = means[q] / cap if cap else 0.0
+        summary[f"{q}_frac"] = _share([s[f"{q}_frac"] for s in per], engines, cap)
     sending = any(s.get("role") == "prefill" for s in per)  # held: for a transfer, else for stores
     summary["store_pending_frac"] = held / cap if cap and not sending else 0.0
     if sending:
@@ -120,16 +120,28 @@ def cluster_summary(allocator: str, engines: list[Any], results: list[Any], requ
         "wall_time_s": wall,
         "instances": per,
     })
-    # Other keys of one run: the instances' common value, or None where they differ
-    # (a per-instance figure that does not add up; see "instances").
+    # Other keys of one run: a share of the pool over every pool together (the hybrid
+    # managers' padding, out of window, ...), else the instances' common value, or None
+    # where they differ (a per-instance figure that does not add up; see "instances").
     for key in per[0]:
-        if key not in summary:
-            values = [s.get(key) for s in per]
-            same = all(_equal(v, values[0]) for v in values[1:])
-            summary[key] = values[0] if same else None
+        if key in summary:
+            continue
+        values = [s.get(key) for s in per]
+        if key.endswith("_frac") and all(isinstance(v, float | int) for v in values):
+            summary[key] = _share(values, engines, cap)
+            continue
+        same = all(_equal(v, values[0]) for v in values[1:])
+        summary[key] = values[0] if same else None
     assert int((requests["status"] == "finished").sum()) == sum(
         int((e.requests.status == FINISHED).sum()) for e, s in zip(engines, per, strict=True) if s in ends)
     return summary
+
+
+def _share(fracs: list[float], engines: list[Any], cap: int) -> float:
+    """A share of every pool together, from each pool's share (one pool: its own)."""
+    if len(fracs) == 1:
+        return fracs[0]
+    return sum(f * e.capacity for f, e in zip(fracs, engines, strict=True)) / cap if cap else 0.0
 
 
 def _imbalance(per: list[dict[str, Any]]) -> float:
