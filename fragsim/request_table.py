@@ -73,6 +73,8 @@ class RequestTable:
         self.handed_in: deque[int] = deque()
         #: rows may be handed in at any time (a stretch stops at the cluster's next event)
         self.takes_hand_ins = False
+        #: requests whose prefill runs elsewhere and that will be handed in here
+        self.num_expected = 0
 
     # -- a cluster's instance --------------------------------------------------------
 
@@ -98,6 +100,7 @@ class RequestTable:
         """``req`` comes here now, past its arrival: it joins the queue at the next pull."""
         assert self.mine is not None and self.dynamic and not self.mine[req]
         self.num_mine += 1
+        self.num_expected = max(0, self.num_expected - 1)
         self.handed_in.append(req)
 
     def all_done(self) -> bool:

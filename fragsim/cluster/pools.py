@@ -96,6 +96,7 @@ def route_disaggregated(env: simpy.Environment, arrival: np.ndarray, prompt: np.
         engines[p].requests.route(req)
         pools.routed("prefill", req, p, engines)
         pools.decode_of[req] = d
+        engines[d].requests.num_expected += 1  # its load, as the router counts it
         pools.num_disaggregated += 1
         engines[p].poke()
     for i, engine in enumerate(engines):

@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 
 def queue_depth(engine: Engine) -> tuple[int, int]:
     """(waiting, running) of an instance now, waiting counting what was routed there
-    and not yet pulled into its queue."""
+    and not yet pulled into its queue, and what a prefill instance will hand it."""
     reqs = engine.requests
-    unpulled = reqs.num_mine - reqs.num_arrived
+    unpulled = reqs.num_mine - reqs.num_arrived + reqs.num_expected
     return len(engine.waiting) + len(engine.swapped) + unpulled, engine.num_running()
 
 

@@ -115,12 +115,27 @@ LABELS: dict[str, str] = {
     "tiers.cpu.free_frac": "CPU tier: free (%)",
     "tiers.cpu.store_time_s": "host link busy with stores (s)",
     "workload_think_time": "think time between turns (s)",
+    # clusters (fragsim.cluster)
+    "goodput_rps": "goodput (requests/s within both SLOs)",
+    "throughput_requests_per_s": "throughput (requests/s)",
+    "mean_tpot_s": "time per output token, mean (s)",
+    "p99_tpot_s": "time per output token, p99 (s)",
+    "kv_sending_frac": "held by prefill instances to send (% of KV)",
+    "kv_receiving_frac": "reserved by decode instances for transfers (% of KV)",
+    "kv_duplicated_frac": "at both ends of a transfer (% of KV)",
+    "load_imbalance": "busiest instance's requests / pool mean",
+    "router_estimated_hit_tokens": "router's expected prefix hits (tokens)",
+    "instances": "instances",
+    "prefill_instances": "prefill instances",
+    "decode_instances": "decode instances",
+    "router": "router",
 }
 
 #: fractions drawn as percentages
 PERCENT = {"token_states_frac", "reservation_frac", "internal_fragmentation_frac", "free_frac",
            "padding_frac", "out_of_window_frac",
            "refusal_rate", "blocks_saved_frac", "prefix_cache_hit_rate", "store_pending_frac",
+           "kv_sending_frac", "kv_receiving_frac", "kv_duplicated_frac",
            *(f"tiers.{tier}.{part}_frac" for tier in ("cpu", "disk")
              for part in ("cached_hit_later", "cached_never_hit", "write_pending", "read_pending",
                           "chunk_tail", "swapped", "free"))}
