@@ -16,13 +16,7 @@ def positive_float(text: str) -> float:
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
+    return _int_at_least(text, 1)
 
 
 def fraction(text: str) -> float:
@@ -37,12 +31,16 @@ def fraction(text: str) -> float:
 
 
 def nonnegative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
     return value
 
 

@@ -70,19 +70,12 @@ class ClusterConfig:
 
 def load_cluster(path: str | Path) -> ClusterConfig:
     """Read and check a cluster file (see the module docstring)."""
-    import tomllib
-
     from fragsim.simulate import RunSpec
-    from fragsim.studies.schema_values import Where, spec_param
+    from fragsim.studies.schema_values import Where, read_toml, spec_param
 
     path = Path(path)
     where = Where(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FragsimError(f"{path}: no such file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise FragsimError(f"{path.name}: not valid TOML: {exc}") from None
+    raw = read_toml(path, "cluster file")
     unknown = set(raw) - {"cluster", "workload", "defaults", "pools"}
     if unknown:
         raise where.error(f"[{sorted(unknown)[0]}]", None,

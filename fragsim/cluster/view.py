@@ -68,13 +68,7 @@ class RoutedIndex:
 
     def run(self, keys: Sequence[int], start: int = 0, now: float | None = None) -> int:
         """Leading keys from ``start`` that it holds (``now``: unused; it has no delay)."""
-        held = self.keys
-        n = 0
-        for key in keys[start:]:
-            if key not in held:
-                break
-            n += 1
-        return n
+        return _leading(keys, start, self.keys)
 
     def routed(self, keys: Sequence[int]) -> None:
         held = self.keys
@@ -111,13 +105,17 @@ class EventIndex:
     def run(self, keys: Sequence[int], start: int = 0, now: float | None = None) -> int:
         if now is not None:
             self._catch_up(now)
-        held = self.keys
-        n = 0
-        for key in keys[start:]:
-            if key not in held:
-                break
-            n += 1
-        return n
+        return _leading(keys, start, self.keys)
 
     def routed(self, keys: Sequence[int]) -> None:
         pass  # it learns from the instance, not from its own routing
+
+
+def _leading(keys: Sequence[int], start: int, held: Any) -> int:
+    """How many of ``keys`` from ``start`` on ``held`` holds, up to the first it lacks."""
+    n = 0
+    for key in keys[start:]:
+        if key not in held:
+            break
+        n += 1
+    return n

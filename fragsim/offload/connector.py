@@ -59,8 +59,7 @@ loading requests, and a request preempted while loading leaves its load running
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import simpy
@@ -68,31 +67,12 @@ import simpy
 from fragsim.connector import HeldBlocks
 from fragsim.offload.level import Level
 from fragsim.offload.spec import GIB, OffloadSpec
+from fragsim.offload.transfer import Transfer, next_done, run
 from fragsim.prefix import KEY_STRIDE, PrefixKeys
 from fragsim.traces import Trace
 
 #: keys of partial last chunks (lmcache) live above every key PrefixKeys makes
 _TAIL_KEYS = 1 << 62
-
-
-@dataclass(eq=False)
-class Transfer:
-    """One job: phases run in order, each holding one resource for its seconds."""
-
-    kind: str                                   # "load", "store" or "disk_write"
-    req: int                                    # -1: no request (lazy stores)
-    keys: list[int]
-    tokens: int
-    phases: list[tuple[simpy.Resource, float]]
-    ready: float                                # when it may start
-    level: Level | None = None                  # the tier it reads or writes
-    start: float | None = None                  # when its first phase took its resource
-    end: float | None = None                    # known once its last phase holds its resource
-    cancelled: bool = False                     # a load whose request was preempted meanwhile
-
-    @property
-    def seconds(self) -> float:
-        return sum(s for _, s in self.phases)
 
 
 class OffloadConnector:
@@ -350,37 +330,11 @@ class OffloadConnector:
     def _start(self, job: Transfer) -> None:
         assert self.env is not None, "bind() the connector to the engine's environment first"
         self._inflight.append(job)
-        self.env.process(self._run(job))
-
-    def _run(self, job: Transfer) -> Generator[simpy.Event, Any, None]:
-        env = self.env
-        assert env is not None
-        if job.ready > env.now:
-            yield env.timeout(job.ready - env.now)
-        last = len(job.phases) - 1
-        for i, (resource, seconds) in enumerate(job.phases):
-            with resource.request() as turn:
-                yield turn
-                if job.start is None:
-                    job.start = float(env.now)
-                if i == last:
-                    job.end = float(env.now) + seconds
-                yield env.timeout(seconds)
+        self.env.process(run(self.env, job))
 
     def next_done(self) -> float | None:
         """The earliest time a transfer in flight may land (None: nothing in flight)."""
-        ends = [job.end for job in self._inflight if job.end is not None]
-        if ends:
-            return min(ends)
-        waits = [job.ready + job.seconds for job in self._inflight]
-        if not waits:
-            return None
-        # A job still queued for a later phase may be later than its bound: then the
-        # next event of the environment (a phase ending) is the earliest change.
-        earliest = min(waits)
-        if earliest <= self.now and self.env is not None:
-            earliest = max(earliest, float(self.env.peek()))
-        return earliest
+        return next_done(self._inflight, self.now, self.env)
 
     def pending_at_end(self) -> bool:
         """Stores still in flight when the last request ends are not waited for."""

@@ -50,10 +50,7 @@ values against :class:`~fragsim.simulate.RunSpec` in
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-from fragsim.errors import FragsimError
 
 # re-exported: fragsim.studies.schema is where callers look
 from fragsim.studies.schema_study import (  # noqa: F401
@@ -84,12 +81,8 @@ from fragsim.studies.schema_values import (  # noqa: F401
     _required,
     _table,
     _typed,
+    read_toml,
 )
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 STUDY_KEYS = {"description", "seed", "allocators", "timeseries", "min_requests"}
 TOP_TABLES = {"study", "fixed", "workload", "sweep", "cases", "figures"}
@@ -99,12 +92,7 @@ def load_study(path: str | Path) -> Study:
     """Read and check ``path``; raise FragsimError naming the key on any mistake."""
     path = Path(path)
     where = Where(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FragsimError(f"{path}: no such experiment file") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise FragsimError(f"{path.name}: not valid TOML: {exc}") from None
+    raw = read_toml(path, "experiment file")
     unknown = sorted(set(raw) - TOP_TABLES)
     if unknown:
         raise where.error(f"[{unknown[0]}]", None,

@@ -51,6 +51,20 @@ class Where:
         return FragsimError(f"{where}: {message}")
 
 
+def read_toml(path: Path, kind: str) -> dict[str, Any]:
+    """``path`` read as TOML (``kind``: what the file is, for the error)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python < 3.11
+        import tomli as tomllib  # type: ignore[no-redef]
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FragsimError(f"{path}: no such {kind}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise FragsimError(f"{path.name}: not valid TOML: {exc}") from None
+
+
 # ---------------------------------------------------------------- tables and keys
 
 def _table(where: Where, raw: Mapping[str, Any], name: str, required: bool = False) -> dict[str, Any]:
