@@ -123,6 +123,9 @@ class HeldBlocks:
         held = self.by_req
         if not held:
             return 0, 0
+        held_units = getattr(kv, "held_units", None)
+        if held_units is not None:  # a KV manager in bytes works it out
+            return held_units(held, final)  # type: ignore[no-any-return]
         stored = sum(int(final[req]) * len(seqs) for req, seqs in held.items())
         alloc = getattr(kv, "alloc", None)
         if alloc is None or not hasattr(alloc, "ref_cnt"):

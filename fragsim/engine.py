@@ -23,7 +23,8 @@ A step starts at time ``t`` and lasts the cost model's step time ``dt``.
 The engine schedules and keeps time; memory is the KV manager's
 (:mod:`fragsim.kv.protocol`): the engine asks it to admit, grow and free, and it
 records the split. The per-request table (lengths, status, times, refusals) is
-:mod:`fragsim.request_table`'s, who is preempted and how :mod:`fragsim.preemption`'s,
+:mod:`fragsim.request_table`'s, admission (and KV a connector brings in)
+:mod:`fragsim.admission`'s, who is preempted and how :mod:`fragsim.preemption`'s,
 and what an observer reads :mod:`fragsim.engine_views`'. A request decodes one
 sequence, or ``n`` that share its prompt (parallel samples, beam search:
 :mod:`fragsim.beams` picks the survivors and forks and prunes them, each step before
@@ -42,7 +43,7 @@ from typing import Any
 import numpy as np
 import simpy
 
-from fragsim import engine_clock, preemption, stretch
+from fragsim import admission, engine_clock, preemption, stretch
 from fragsim.batch import DecodeBatch, Prefill
 from fragsim.beams import BeamSearch
 from fragsim.connector import KVConnector
@@ -53,11 +54,7 @@ from fragsim.kv import as_kv_manager
 from fragsim.kv.protocol import KVManager
 from fragsim.metrics import Recorder
 from fragsim.request_table import (
-    BLOCK_BATCH,
-    BLOCK_CAP,
-    BLOCK_FRAG,
     FINISHED,
-    RUNNING,
     RequestTable,
 )
 
@@ -105,6 +102,7 @@ class Engine:
         self.prefilling: list[Prefill] = []
         self.swapped: deque[tuple[int, int, int]] = deque()  # (req, filled, slots held in CPU)
         self.swap_used = 0
+        self.held: dict[int, int] = {}  # sequences kept past their request for a connector: stored
         self.batch = DecodeBatch()
         self.num_prefill_tokens = 0     # prompt tokens computed (prefix-cache hits are not)
         self.num_prefix_queries = 0     # prefix caching: tokens looked up at admission (vLLM: queries)
@@ -112,7 +110,7 @@ class Engine:
         self.quiet = False              # the last step left nothing pending (a stretch may follow)
         self.backoff = stretch.Backoff()
         self.static_running = False
-        self._next_seq = reqs.N         # sequence ids past the request ids (samples, beams)
+        self.next_seq = reqs.N         # sequence ids past the request ids (samples, beams)
         #: (parent seq, child seq, shared positions) per fork, for an observer; None: not kept
         self.fork_log: list[tuple[int, int, int]] | None = [] if observer is not None else None
         self.address_sampler = AddressMapSampler(self.kv, config.address_map_interval_s,
@@ -173,8 +171,8 @@ class Engine:
         only when no single growth would fail.
         """
         if self.beams is not None and self.batch.n:
-            self._next_seq = self.beams.fork_and_prune(self.batch, self.kv, self.g, self.requests.final,
-                                                       self._next_seq, self.fork_log)
+            self.next_seq = self.beams.fork_and_prune(self.batch, self.kv, self.g, self.requests.final,
+                                                       self.next_seq, self.fork_log)
         b, kv = self.batch, self.kv
         while True:
             need = self._rows_needing_room()
@@ -201,74 +199,9 @@ class Engine:
         True if the queue head is blocked (or the queue is empty)."""
         skipped: list[int] = []
         try:
-            return self._admit(skipped)
+            return admission.admit(self, skipped)
         finally:
             self.waiting.extendleft(reversed(skipped))  # back at the head, in their order
-
-    def _admit(self, skipped: list[int]) -> bool:
-        cfg, kv, width, reqs, connector = self.cfg, self.kv, self.width, self.requests, self.connector
-        prefix = kv.prefix
-        running = self.num_running()
-        while self.waiting:
-            req = self.waiting[0]
-            if running + width > cfg.max_num_seqs or self.budget <= 0:
-                reqs.mark_blocked(req, BLOCK_BATCH)
-                return True
-            prompt = int(reqs.prompt[req])
-            # A group restarts from its prompt after a preemption; one sequence resumes.
-            context = prompt if width > 1 else prompt + int(reqs.generated[req])
-            hit = prefix.lookup(req, prompt, context) if prefix is not None else None
-            gpu_hit = hit.tokens if hit is not None else 0
-            if connector is not None and connector.probe(req, prompt, context, gpu_hit) is None:
-                # Part of its hit in a tier is still being written: vLLM skips it this step.
-                skipped.append(self.waiting.popleft())
-                continue
-            tokens = kv.admission_tokens(prompt, int(reqs.output[req]), context)
-            seqs = (req,) if width == 1 else (req, *range(self._next_seq, self._next_seq + width - 1))
-            admitted = kv.admit(seqs, tokens, int(reqs.final[req]), prompt, hit)
-            if admitted is None:
-                frag = kv.blocked_by_fragmentation(tokens)
-                reqs.mark_blocked(req, BLOCK_FRAG if frag else BLOCK_CAP)
-                return True
-            self._next_seq += width - 1
-            if self.fork_log is not None:
-                self.fork_log += [(req, child, prompt) for child in seqs[1:]]
-            self.waiting.popleft()
-            running += width
-            reqs.status[req] = RUNNING
-            done = gpu_hit
-            p = Prefill(req, context, done, seqs, admitted.rooms, admitted.shared, done)
-            self.prefilling.append(p)
-            if prefix is not None:
-                self.num_prefix_queries += context
-                self.num_prefix_hits += done
-                reqs.cached[req] = done
-            if connector is not None:
-                p.loading = connector.start_load(req, prompt, context, done, self.now)
-                if p.loading:
-                    continue  # it waits for its load (vLLM: WAITING_FOR_REMOTE_KVS)
-            chunk = min(self.budget, context - done)
-            self.chunks.append((p, chunk))
-            self.budget -= chunk
-        return True
-
-    def _poll_connector(self) -> None:
-        """Transfers that landed by now: loaded requests may prefill the rest, and held
-        blocks are freed."""
-        assert self.connector is not None
-        ready, freed = self.connector.poll(self.now, self.kv.free)
-        self.freed |= freed
-        if not ready:
-            return
-        loaded = set(ready)
-        for p in self.prefilling:
-            if p.req in loaded:
-                # A load of the whole request leaves its last token to compute (vLLM).
-                loaded_tokens = min(p.loading, p.target - 1 - p.done)
-                p.done += loaded_tokens
-                p.cached += loaded_tokens
-                self.requests.cached[p.req] += loaded_tokens
-                p.loading = 0
 
     def step(self) -> float:
         """One step from ``self.now``: decisions, then its duration. Returns dt."""
@@ -279,7 +212,7 @@ class Engine:
         self.pull_arrivals()
         self.expire_waiting()
         if self.connector is not None:
-            self._poll_connector()
+            admission.poll_connector(self)
         if self.grows:
             self._grow_decoders()
         self.budget = cfg.num_batched_tokens - self.batch.n
@@ -372,7 +305,8 @@ class Engine:
             status, free, connector = reqs.status, self.kv.free, self.connector
             for req, seq in zip(b.req[done].tolist(), b.seq[done].tolist(), strict=True):
                 if connector is not None and connector.must_hold(req):
-                    connector.hold(req, seq)  # its stores read these blocks: freed when they land
+                    connector.hold(req, seq)  # read elsewhere: freed when that is done
+                    self.held[seq] = int(reqs.final[req])
                 else:
                     free(seq)
                 if self.beams is not None:
@@ -412,22 +346,33 @@ class Engine:
 
     # ------------------------------------------------- what holds memory (LiveView)
 
+    def free_held(self, seq: int) -> Any:
+        """A connector is done with a sequence it held: its blocks go back."""
+        del self.held[seq]
+        return self.kv.free(seq)
+
     def seqs(self) -> np.ndarray:
         """Ids of every sequence holding memory now, in :meth:`computed`'s order."""
         b = self.batch
         seqs = b.seq[: b.n]
-        if self.prefilling:
-            seqs = np.concatenate((seqs, [p.req for p in self.prefilling]))
+        if self.prefilling or self.held:
+            seqs = np.concatenate((seqs, [p.req for p in self.prefilling], list(self.held)))
         return seqs.astype(np.int64, copy=False)
 
     def computed(self) -> np.ndarray:
-        """Tokens stored by every sequence holding memory now: the decoding rows', then
-        each prefilling request's (its first sequence)."""
+        """Tokens stored by every sequence holding memory now: the decoding rows', each
+        prefilling request's (its first sequence), then the held ones'."""
         b = self.batch
         computed = b.offset[: b.n] + self.g
-        if self.prefilling:
-            computed = np.concatenate((computed, [p.done for p in self.prefilling]))
+        if self.prefilling or self.held:
+            computed = np.concatenate((computed, [p.done for p in self.prefilling], list(self.held.values())))
         return computed.astype(np.int64, copy=False)
+
+    def receiving(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, tokens stored) of the requests waiting for KV to arrive."""
+        waiting = [p for p in self.prefilling if p.loading]
+        return (np.array([p.req for p in waiting], dtype=np.int64),
+                np.array([p.done for p in waiting], dtype=np.int64))
 
     def check(self) -> None:
         """Each row's room against the KV manager's, then the KV manager's own checks

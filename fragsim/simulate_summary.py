@@ -60,6 +60,10 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
         summary.update({k: None for k in list(summary) if k.endswith("_slots")})
         summary.update(capacity_slots=None, capacity_bytes=cap, kv_bytes_per_token=None)
         summary.update(kv_keys)
+        held = rec.mean_held()  # copies held for a transfer: a part of their own, out of token states
+        if held:
+            summary["mean_token_states_bytes"] -= held
+            summary["token_states_frac"] -= held / cap if cap else 0.0
     summary.update({
         "mean_external_fragmentation_ratio": means["external_fragmentation_ratio"],
         "peak_external_fragmentation_ratio": peaks["external_fragmentation_ratio"],

@@ -52,13 +52,15 @@ def dense_split_by_slot(engine: Any) -> None:
     assert memory_split(engine) == want, f"split {memory_split(engine)} but slot by slot {want}"
 
 
-def hybrid_split_by_position(m: Any, seqs: np.ndarray, computed: np.ndarray) -> np.ndarray:
+def hybrid_split_by_position(m: Any, seqs: np.ndarray, computed: np.ndarray,
+                             receiving: Any = ()) -> np.ndarray:
     """A hybrid manager's split from each sequence's own blocks, position by position:
     per group, ``[lo·B, hi·B)`` against the window start, the computed length and the
     final length. With shared blocks (prefix caching) it is worked out per block from
     the block tables: a position stored if any holder stored it, out of the window if
     it is out of every storing holder's window, reserved if below some holder's final
-    length."""
+    length. A sequence in ``receiving`` was placed ahead of KV still arriving, so its
+    first block may lie past its window start."""
     from fragsim.hybrid.groups import (
         CATEGORIES,
         FREE,
@@ -92,7 +94,7 @@ def hybrid_split_by_position(m: Any, seqs: np.ndarray, computed: np.ndarray) -> 
                 for t, block in enumerate(pool.block_ids(seq, i)):
                     holders.setdefault(block, []).append(((lo + t) * b, f, start, final))
                 continue
-            assert lo * b <= start or lo == 0, (seq, row.label, lo, start)
+            assert lo * b <= start or lo == 0 or seq in receiving, (seq, row.label, lo, start)
             positions = np.arange(lo * b, hi * b)
             out[i, PADDING] += (hi - lo) * row.padding_per_block
             out[i, OUT_OF_WINDOW] += int(((positions < start) & (positions < f)).sum()) * tb
@@ -124,6 +126,7 @@ def hybrid_split_by_position(m: Any, seqs: np.ndarray, computed: np.ndarray) -> 
 def hybrid_split_by_position_check(engine: Any) -> None:
     """:func:`hybrid_split_by_position` against the manager's split, as an engine check."""
     m = engine.kv.manager
-    seqs, computed = engine.seqs(), engine.computed()
-    fast, slow = m.split(seqs, computed), hybrid_split_by_position(m, seqs, computed)
+    seqs, computed, receiving = engine.seqs(), engine.computed(), engine.receiving()
+    fast = m.split(seqs, computed, receiving)
+    slow = hybrid_split_by_position(m, seqs, computed, set(receiving[0].tolist()))
     assert (fast == slow).all(), f"split drifted:\n{fast}\n!=\n{slow}"

@@ -39,7 +39,7 @@ def _kernel_name() -> str:
 
 def test_there_is_a_notebook_per_paper_figure_and_seed_case() -> None:
     assert [p.stem for p in NOTEBOOKS] == [
-        "block_size", "cluster_pd_ratio", "cluster_routing", "fig13_batched_requests",
+        "block_size", "cluster_hybrid_pd", "cluster_pd_ratio", "cluster_routing", "fig13_batched_requests",
         "fig2_memory_split", "hybrid_managers", "hybrid_prefix_mooncake", "offload_backends",
         "offload_cpu_size", "offload_disk", "offload_sessions", "rate_sweep",
         "seed_capacity_7b", "seed_peak_traffic", "seed_rag_longtail", "seed_underprovision",

@@ -106,6 +106,9 @@ def cluster_note(s: dict[str, Any]) -> str:
                  f"reservation to landing; of the cluster's KV, {s['kv_sending_frac']:.1%} held by prefill "
                  f"instances for transfers, {s['kv_receiving_frac']:.1%} reserved by decode instances for "
                  f"them, {s['kv_duplicated_frac']:.2%} at both ends")
+        by_kind = s.get("kv_transfer_bytes_by_kind")
+        if by_kind:
+            line += "; by layer kind: " + ", ".join(f"{kind} {size / 1e9:,.2f} GB" for kind, size in by_kind.items())
     return line
 
 

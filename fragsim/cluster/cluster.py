@@ -109,8 +109,7 @@ def run_members(trace: Any, members: list[Member], settings: Settings, label: st
     keys = PrefixKeys(trace, block) if any(m.spec.prefix_caching for m in members) else None
     disaggregated = "prefill" in roles
     if disaggregated:
-        for m in members:
-            _refuse_with_disaggregation(m.allocator, m.spec)
+        _refuse_with_disaggregation(members)
         # A prefill instance runs each prompt and its first token only (max_tokens=1).
         prompts_only = replace(trace, output_len=np.ones(len(trace), dtype=np.int64))
     engines = [make_engine(prompts_only if m.role == "prefill" else trace, m.allocator, m.spec,
@@ -198,18 +197,26 @@ def _report_progress(engines: list[Any], roles: list[str], progress: Callable[[i
         engine.progress = report
 
 
-def _refuse_with_disaggregation(allocator_name: str, spec: Any) -> None:
+def _refuse_with_disaggregation(members: list[Member]) -> None:
     from fragsim.simulate import is_hybrid_manager
 
-    if is_hybrid_manager(allocator_name):
-        raise FragsimError(f"--prefill-instances with allocator {allocator_name!r}: prefill/decode "
-                           "disaggregation runs over dense allocators in this release")
-    if spec.kv_offloading_size is not None:
-        raise FragsimError("--kv-offloading-size with --prefill-instances: an instance has one KV "
-                           "connector in this release (an offload tier or a side of the transfer)")
-    if spec.batching == "static":
-        raise FragsimError("--batching static with --prefill-instances: disaggregation needs "
-                           "continuous batching")
+    hybrid = {is_hybrid_manager(m.allocator) for m in members}
+    if len(hybrid) > 1:
+        names = ", ".join(sorted({m.allocator for m in members}))
+        raise FragsimError(f"allocator: a disaggregated cluster runs either hybrid KV managers or dense "
+                           f"allocators on every instance, got {names}")
+    for m in members:
+        spec = m.spec
+        if spec.prefix_caching and is_hybrid_manager(m.allocator):
+            raise FragsimError(f"--prefix-caching with allocator {m.allocator!r} and --prefill-instances: "
+                               "a hybrid KV manager's prefix cache is not modelled under disaggregation "
+                               "in this release")
+        if spec.kv_offloading_size is not None:
+            raise FragsimError("--kv-offloading-size with --prefill-instances: an instance has one KV "
+                               "connector in this release (an offload tier or a side of the transfer)")
+        if spec.batching == "static":
+            raise FragsimError("--batching static with --prefill-instances: disaggregation needs "
+                               "continuous batching")
 
 
 def _wire_disaggregation(env: simpy.Environment, trace: Any, members: list[Member], settings: Settings,
@@ -244,13 +251,36 @@ def _wire_disaggregation(env: simpy.Environment, trace: Any, members: list[Membe
         link.pokes[i] = engine.poke
         engine.requests.route_as_they_come()
         if role == "prefill":
-            engine.connector = PrefillSide(link, i, hand_off)
+            engine.connector = PrefillSide(link, i, hand_off, _keep_window(engine))
         elif role == "decode":
-            engine.connector = DecodeSide(link, i, engine.requests)
+            engine.connector = DecodeSide(link, i, engine.requests, _payload(engine, members[i].spec.tp))
             engine.requests.takes_hand_ins = True
     env.process(route_disaggregated(env, np.asarray(trace.arrival_s), np.asarray(trace.prompt_len),
                                     engines, pools, settings.pd_threshold, _UrgentTimeout))
     return link
+
+
+def _keep_window(engine: Any) -> Callable[[int, int], None] | None:
+    """A prefill instance's hybrid KV manager keeps what the decode side's first step
+    reads of a finished request (it recomputes the last prompt token); None: dense."""
+    keep = getattr(engine.kv, "keep", None)
+    if keep is None:
+        return None
+    final = engine.requests.final
+    return lambda seq, req: keep(seq, int(final[req]) - 2)  # the prompt less its last token
+
+
+def _payload(engine: Any, tp: int) -> Callable[[int, int, int], tuple[int, dict[str, int]]] | None:
+    """What a decode instance's hybrid KV manager placed for a transfer (bytes of one
+    GPU; bytes of every GPU by layer kind); None: dense (whole blocks of every layer)."""
+    moved = getattr(engine.kv, "moved", None)
+    if moved is None:
+        return None
+
+    def payload(req: int, first: int, last: int) -> tuple[int, dict[str, int]]:
+        units, by_kind = moved(req, first, last)
+        return units, {kind: size * tp for kind, size in by_kind.items()}
+    return payload
 
 
 def _end_hand_ins_with_prefills(env: simpy.Environment, processes: list[Any], engines: list[Any],

@@ -34,9 +34,19 @@ Where the bytes are while a request changes instance, cluster-wide (:meth:`KVLin
 while it holds the ports, and are duplicated from arrival until the prefill side
 frees its copy.
 
+Hybrid models (a hybrid KV manager on every instance) move what each layer kind
+reads, as vLLM 0.33's NixlConnector does with its hybrid allocator: the decode side
+places, per group, only the blocks its first step reads past the arriving KV (a
+window's, a chunk's; one state per state layer: ``num_external_computed_tokens``),
+and those blocks cross, whole (``bytes_<kind>`` in :meth:`KVLink.table`). The
+prefill side keeps the same blocks of a finished request and frees the rest at once,
+as vLLM frees out-of-window blocks before ``request_finished``. Where vLLM's prefill
+stops one token short for a state model, here it computes the whole prompt; the
+decode side recomputes the last token in both.
+
 Not modelled: layer-wise overlap of the transfer with the prefill, a timeout after
-which the prefill side frees unread blocks (vLLM's abort timeout), and hybrid models
-(only a window's blocks or one state per state layer would cross).
+which the prefill side frees unread blocks (vLLM's abort timeout), and a hybrid
+manager's prefix cache under disaggregation (refused by name).
 """
 
 from __future__ import annotations
@@ -60,6 +70,8 @@ class Handoff:
     receiver: int
     tokens: int                 # tokens whose blocks move (whole blocks)
     bytes: int                  # every GPU's share
+    units: int                  # what the receiver reserved for them, in its KV manager's unit
+    by_kind: dict[str, int]     # bytes by layer kind (a hybrid KV manager; else empty)
     seconds: float              # on the ports
     ready: float                # when the decode side reserved its blocks and asked
     latency: float
@@ -93,28 +105,37 @@ class KVLink:
         self.pokes: dict[int, Callable[[], None]] = {}  # instance -> wake its engine
         self.done: list[Handoff] = []
         self.dropped = 0            # copies freed unread (the decode side refused the request)
-        self.receiving = 0.0        # ∫ tokens reserved for transfers not landed dt
-        self.duplicated = 0.0       # ∫ duplicated tokens dt
+        self.receiving = 0.0        # ∫ units reserved for transfers not landed dt (slots or bytes)
+        self.duplicated = 0.0       # ∫ duplicated units dt
 
     def bind(self, env: simpy.Environment, num_instances: int) -> None:
         self.env = env
         self.ports = [simpy.Resource(env, capacity=1) for _ in range(num_instances)]
 
-    def send(self, req: int, sender: int, receiver: int, tokens: int, now: float) -> Handoff:
-        """Move ``tokens`` tokens' blocks of ``req`` (the decode side reserved them now)."""
+    def send(self, req: int, sender: int, receiver: int, tokens: int, now: float,
+             payload: tuple[int, dict[str, int]] | None = None) -> Handoff:
+        """Move ``tokens`` tokens' blocks of ``req`` (the decode side reserved them now).
+        ``payload``: (what the receiver reserved, in its KV manager's unit; bytes of every
+        GPU by layer kind), where a hybrid KV manager placed only what each kind needs;
+        None: every layer's whole blocks, ``tokens`` slots reserved."""
         assert self.env is not None, "bind() the link first"
-        moved = -(-tokens // self.block) * self.block
-        size = moved * self.token_bytes[sender]
+        by_kind: dict[str, int] = {}
+        if payload is None:
+            moved = -(-tokens // self.block) * self.block
+            units, size = tokens, moved * self.token_bytes[sender]
+        else:
+            (units, by_kind), size = payload, sum(payload[1].values())
         # Each GPU its own NIC: as many move at once as the smaller side has.
         lanes = min(self.tp[sender], self.tp[receiver])
-        job = Handoff(req, sender, receiver, tokens, size, size / (lanes * self.bandwidth), now, self.latency)
+        job = Handoff(req, sender, receiver, tokens, size, units, by_kind, size / (lanes * self.bandwidth),
+                      now, self.latency)
         self.senders[sender].jobs[req] = job
         self.env.process(self._run(job))
         return job
 
     def drop(self, req: int, sender: int, now: float) -> None:
         """The decode side refused ``req``: its prefill side frees its copy unread."""
-        job = Handoff(req, sender, -1, 0, 0, 0.0, now, 0.0, now, now)
+        job = Handoff(req, sender, -1, 0, 0, 0, {}, 0.0, now, 0.0, now, now)
         self.senders[sender].jobs[req] = job
         self.pokes[sender]()
 
@@ -139,31 +160,40 @@ class KVLink:
         if job.receiver < 0:
             self.dropped += 1
             return
-        self.duplicated += job.tokens * ((job.end - job.start) / 2 + (now - job.end))
+        self.duplicated += job.units * ((job.end - job.start) / 2 + (now - job.end))
         self.done.append(job)
 
     def table(self) -> Any:
         """One row per transfer that landed: who, how much, and when."""
         import pandas as pd
 
+        done = self.done
+        kinds = list(dict.fromkeys(kind for job in done for kind in job.by_kind))
         return pd.DataFrame({
-            "request_id": [job.req for job in self.done],
-            "sender": [job.sender for job in self.done],
-            "receiver": [job.receiver for job in self.done],
-            "tokens": [job.tokens for job in self.done],
-            "bytes": [job.bytes for job in self.done],
-            "reserved_s": [job.ready for job in self.done],
-            "start_s": [job.start for job in self.done],
-            "end_s": [job.end for job in self.done],
+            "request_id": [job.req for job in done],
+            "sender": [job.sender for job in done],
+            "receiver": [job.receiver for job in done],
+            "tokens": [job.tokens for job in done],
+            "bytes": [job.bytes for job in done],
+            **{f"bytes_{kind}": [job.by_kind.get(kind, 0) for job in done] for kind in kinds},
+            "reserved_s": [job.ready for job in done],
+            "start_s": [job.start for job in done],
+            "end_s": [job.end for job in done],
         })
 
     def summary(self, span: float) -> dict[str, Any]:
         """The cluster's transfer figures (means over ``span`` seconds, in slots)."""
         done = self.done
+        by_kind: dict[str, int] = {}
+        for job in done:
+            for kind, size in job.by_kind.items():
+                by_kind[kind] = by_kind.get(kind, 0) + size
         return {
             "num_kv_transfers": len(done),
             "num_kv_dropped": self.dropped,
             "kv_transfer_bytes": int(sum(job.bytes for job in done)),
+            "mean_kv_transfer_bytes": sum(job.bytes for job in done) / len(done) if done else 0.0,
+            **({"kv_transfer_bytes_by_kind": by_kind} if by_kind else {}),
             "mean_kv_transfer_s": sum(job.seconds for job in done) / len(done) if done else 0.0,
             "mean_kv_transfer_wait_s":
                 sum((job.end or 0.0) - job.ready for job in done) / len(done) if done else 0.0,
@@ -177,8 +207,11 @@ class PrefillSide:
 
     host_pool = None
 
-    def __init__(self, link: KVLink, index: int, hand_off: Callable[[int, int, float], None]) -> None:
-        self.link, self.index, self.hand_off = link, index, hand_off
+    def __init__(self, link: KVLink, index: int, hand_off: Callable[[int, int, float], None],
+                 keep: Callable[[int, int], None] | None = None) -> None:
+        """``keep(seq, req)``: a finished request's blocks stay for the decode side to
+        read; those it will not read go back (a hybrid KV manager's window)."""
+        self.link, self.index, self.hand_off, self.keep = link, index, hand_off, keep
         link.senders[index] = self
         self.held = HeldBlocks()
         self.jobs: dict[int, Handoff] = {}  # req -> its transfer, once the decode side asked
@@ -212,6 +245,8 @@ class PrefillSide:
         return True  # every request here hands its KV on
 
     def hold(self, req: int, seq: int) -> None:
+        if self.keep is not None:
+            self.keep(seq, req)
         self.held.hold(req, seq)
 
     def finish(self, req: int, now: float) -> None:
@@ -246,8 +281,11 @@ class DecodeSide:
 
     host_pool = None
 
-    def __init__(self, link: KVLink, index: int, requests: Any) -> None:
-        self.link, self.index, self.requests = link, index, requests
+    def __init__(self, link: KVLink, index: int, requests: Any,
+                 payload: Callable[[int, int, int], tuple[int, dict[str, int]]] | None = None) -> None:
+        """``payload(req, first, last)``: what moving positions ``[first, last)`` of
+        ``req`` into its placed blocks takes (:meth:`KVLink.send`); None: whole blocks."""
+        self.link, self.index, self.requests, self.payload = link, index, requests, payload
         self.remote: dict[int, int] = {}      # req -> its prefill instance, until admitted
         self.loading: dict[int, Handoff] = {}
         self.env: simpy.Environment | None = None
@@ -269,7 +307,9 @@ class DecodeSide:
         self.remote[req] = sender
 
     def probe(self, req: int, prompt: int, context: int, gpu_hit: int) -> int | None:
-        return 0  # the transfer starts once the blocks are placed
+        """What its prefill side holds past the prefix hit (the transfer starts once the
+        blocks are placed)."""
+        return context - gpu_hit if req in self.remote else 0
 
     def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float) -> int:
         """``req``'s blocks are placed: move what its own prefix hit lacks (a request
@@ -281,13 +321,14 @@ class DecodeSide:
             return 0
         tokens = context - gpu_hit
         assert tokens > 0, "a prefix hit always leaves the last token to compute"
-        self.loading[req] = self.link.send(req, sender, self.index, tokens, now)
+        payload = self.payload(req, gpu_hit, context) if self.payload is not None else None
+        self.loading[req] = self.link.send(req, sender, self.index, tokens, now, payload)
         return tokens
 
     def cancel(self, req: int) -> None:
         job = self.loading.pop(req)
         job.cancelled = True  # it runs on; the prefill side frees its copy when it lands
-        self.link.receiving += job.tokens * (self.now - job.ready)
+        self.link.receiving += job.units * (self.now - job.ready)
 
     def poll(self, now: float, free: Callable[[int], Any]) -> tuple[list[int], bool]:
         """The requests whose KV landed by ``now``; the prefill side of one refused here
@@ -299,7 +340,7 @@ class DecodeSide:
         ready = [req for req, job in self.loading.items() if job.end is not None and job.end <= now]
         for req in ready:  # reserved until now, when the engine fills the blocks
             job = self.loading.pop(req)
-            self.link.receiving += job.tokens * (now - job.ready)
+            self.link.receiving += job.units * (now - job.ready)
         return ready, False
 
     def store(self, req: int, prompt: int, computed: int, now: float) -> None:

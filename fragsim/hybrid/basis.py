@@ -106,11 +106,18 @@ class SplitBasis:
         return (sums @ self.matrix).reshape(sums.shape[:-1] + (len(self.groups) + 1, len(CATEGORIES)))
 
     def sums(self, computed: np.ndarray | None, stored: int, free: list[int], fixed: int, capacity: int,
-             check: bool = True) -> tuple[list[int], int, int, int]:
+             check: bool = True, receiving: tuple[np.ndarray, np.ndarray] | None = None
+             ) -> tuple[list[int], int, int, int]:
         """The sums now, and the split's token states, free and everything else held,
         all bytes (``stored``: Σ computed; ``computed`` is read only by windowed groups).
         With ``check``, raises if a part of the split would be negative or the parts
-        would not add up to ``capacity``."""
+        would not add up to ``capacity``.
+
+        ``receiving``: (sequences, their computed lengths) whose blocks were placed for
+        KV still arriving (:meth:`HybridManager._allocate` with ``external``). Such a
+        sequence may hold blocks from ``lo·B`` past its computed ``f``: it reads from
+        ``max(s(f), min(lo·B, f))`` and its floor counts as ``min(lo·B, f)``, so what it
+        holds past ``f`` is reservation (a state counts as token states throughout)."""
         st = self.state
         nseq = len(st.live)
         sums = [stored, fixed]
@@ -123,6 +130,13 @@ class SplitBasis:
             if rule.frees and nseq:
                 assert computed is not None
                 start = int(rule.skipped(computed).sum())
+                if receiving is not None and len(receiving[0]):
+                    seqs, f = receiving
+                    lo = st.lo[s, seqs] * b
+                    low = np.minimum(lo, f)
+                    floor += int((low - lo).sum())
+                    skipped = rule.skipped(f)
+                    start += int((np.maximum(skipped, low) - skipped).sum())
             sums += (held, floor, tail, start)
             read = stored - start if rule.frees else stored - floor
             oow = start - floor if rule.frees else 0

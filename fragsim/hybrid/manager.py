@@ -124,17 +124,30 @@ class HybridManager:
         return self.placement(seq_id) if self.pool.keeps_ids else tuple(self.blocks_held(seq_id))
 
     def _allocate(self, seq_id: int, num_slots: int, hit: Hit | None = None,
-                  prompt_len: int | None = None) -> int | None:
+                  prompt_len: int | None = None, external: int = 0) -> int | None:
         """:meth:`allocate` without building the placement: the new sequence's room
-        (:meth:`num_owned`), or None when there was no room."""
+        (:meth:`num_owned`), or None when there was no room. ``external``: its first
+        tokens whose KV arrives from elsewhere (a prefill instance): only the blocks
+        reading past them need are taken, as vLLM 0.33's ``allocate_slots`` does with
+        ``num_external_computed_tokens`` (a window's blocks, one state)."""
         if seq_id in self.state.live:
             raise ValueError(f"sequence {seq_id} is already allocated")
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if not 0 <= external < num_slots:
+            raise ValueError(f"external must be in [0, {num_slots}), got {external}")
+        if external and self.prefix is not None:
+            raise ValueError(f"{self.name} with prefix caching takes no external tokens")
         if self.prefix is None:
             if hit is not None:
                 raise ValueError(f"{self.name} has no prefix cache to hit")
-            move, frees, takes = self._fresh(num_slots)
+            if external:
+                st = self.state
+                zero = [0] * len(st.shapes)
+                move = st.target(num_slots, external, zero, zero, 1 if st.state_groups else 0)
+                frees, takes = st.per_group(move.frees), st.per_group(move.takes, move.state)
+            else:
+                move, frees, takes = self._fresh(num_slots)
             ok = self.pool.place(seq_id, frees, takes)
         else:
             move, ok = self._allocate_hit(seq_id, num_slots, hit, prompt_len)
@@ -209,6 +222,20 @@ class HybridManager:
         if self.on_op is not None:
             self.on_op(["e", seq_id, q], True, seq_id)
         return st.room_of(move.lo, move.hi)
+
+    def release_skipped(self, seq_id: int, computed: int) -> None:
+        """Give back the blocks a sequence no longer reads with ``computed`` tokens
+        computed, its length unchanged (a finished request whose KV waits to be read
+        elsewhere keeps its window's blocks only, as vLLM frees out-of-window blocks
+        before ``request_finished``)."""
+        st = self.state
+        st.require(seq_id)
+        q = int(st.q[seq_id])
+        move = st.move_of(seq_id, q, computed)
+        if any(move.frees):
+            ok = self.pool.place(seq_id, st.per_group(move.frees), [0] * len(self.rows))
+            assert ok, "freeing blocks cannot fail"
+            st.commit(seq_id, q, move)
 
     def grow_many(self, seqs: np.ndarray | list[int], targets: np.ndarray | list[int]) -> list[int] | None:
         """:meth:`extend` of decoding sequences to ``targets`` (``targets − 1`` computed),
@@ -337,11 +364,12 @@ class HybridManager:
         """Group labels, then the pool's."""
         return [r.label for r in self.rows] + [POOL]
 
-    def split(self, seqs: np.ndarray, computed: np.ndarray) -> np.ndarray:
+    def split(self, seqs: np.ndarray, computed: np.ndarray,
+              receiving: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """Bytes per group (and the pool, last) per category, for the live sequences
         ``seqs`` that have ``computed`` tokens stored now: :meth:`split_basis` of
-        :meth:`sums`, shared blocks counted once."""
-        out = self.basis.split_of(self.sums(computed, int(computed.sum()), check=False)[0])
+        :meth:`sums`, shared blocks counted once (``receiving``: :meth:`sums`)."""
+        out = self.basis.split_of(self.sums(computed, int(computed.sum()), check=False, receiving=receiving)[0])
         if self.pool.shares_blocks:
             self.pool.correct_split(out, self.state, seqs, computed)  # type: ignore[attr-defined]
         return out
@@ -351,12 +379,45 @@ class HybridManager:
         (:class:`~fragsim.hybrid.basis.SplitBasis`)."""
         return self.basis.matrix
 
-    def sums(self, computed: np.ndarray | None, stored: int,
-             check: bool = True) -> tuple[list[int], int, int, int]:
+    def sums(self, computed: np.ndarray | None, stored: int, check: bool = True,
+             receiving: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[list[int], int, int, int]:
         """The sums :meth:`split_basis` maps to the split now, and the split's token
-        states, free and everything else held (:meth:`SplitBasis.sums`)."""
+        states, free and everything else held (:meth:`SplitBasis.sums`; ``receiving``:
+        the sequences placed ahead of KV still arriving, and their computed lengths)."""
         return self.basis.sums(computed, stored, self.pool.free_bytes(), self.pool.fixed_padding(),
-                               self.capacity, check)
+                               self.capacity, check, receiving)
+
+    def token_state_bytes(self, seqs: list[int], computed: list[int]) -> int:
+        """Bytes of token states the sequences ``seqs`` hold with ``computed`` tokens
+        stored (each read again; a state group's whole state)."""
+        if not seqs:
+            return 0
+        st = self.state
+        ids, f = np.asarray(seqs, dtype=np.int64), np.asarray(computed, dtype=np.int64)
+        out = 0
+        for s, rule, b, tb, _, _ in self.basis._info:
+            lo = st.lo[s, ids] * b
+            start = np.maximum(rule.skipped(f), lo) if rule.frees else lo
+            out += int(np.maximum(f - start, 0).sum()) * tb
+        return out + len(seqs) * sum(self.rows[i].state_bytes for i in self.state.state_groups)
+
+    def moved_bytes(self, seq_id: int, first: int, last: int) -> dict[str, int]:
+        """The data bytes, per layer kind, of the blocks the sequence holds for positions
+        ``[first, last)`` (each state group's state): what a transfer of those tokens
+        moves into it (padding stays behind)."""
+        st = self.state
+        st.require(seq_id)
+        out: dict[str, int] = {}
+        for i, row in enumerate(self.rows):
+            s = st.shape_of[i]
+            if s < 0:
+                size = row.state_bytes
+            else:
+                b = row.block_tokens
+                lo, hi = max(int(st.lo[s, seq_id]), first // b), min(int(st.hi[s, seq_id]), -(-last // b))
+                size = max(hi - lo, 0) * b * row.token_bytes
+            out[row.kind] = out.get(row.kind, 0) + size
+        return out
 
     def check(self) -> None:
         """The kept sums against the per-sequence arrays, and the pool's own invariants."""

@@ -134,10 +134,11 @@ class DenseKV:
         return reserve_slots(self.alloc.reserve, prompt, output, self.max_seq_len)
 
     def admit(self, seqs: Sequence[int], tokens: int, final: int, prompt: int,
-              hit: Hit | None) -> Admitted | None:
+              hit: Hit | None, external: int = 0) -> Admitted | None:
         """Place ``tokens`` slots for the request's first sequence (its cached blocks
         first), and fork the others over its prompt; None (nothing changed) when the
-        pool cannot hold them all."""
+        pool cannot hold them all. Every layer reads every position, so KV arriving
+        from elsewhere (``external``) needs the same slots."""
         if self.shares:
             admitted = admit_group(self.alloc, seqs, tokens, prompt, hit)
             if admitted is None:

@@ -111,11 +111,12 @@ class HybridKV:
         self._finals[seq] = final
 
     def admit(self, seqs: Sequence[int], tokens: int, final: int, prompt: int,
-              hit: Hit | None) -> Admitted | None:
+              hit: Hit | None, external: int = 0) -> Admitted | None:
         (seq,) = seqs
         self._bind(seq, final)
         m = self.manager
-        room = m._allocate(seq, tokens) if hit is None else m._allocate(seq, tokens, hit.detail, prompt)
+        room = m._allocate(seq, tokens, external=external) if hit is None \
+            else m._allocate(seq, tokens, hit.detail, prompt)
         if room is None:
             return None
         if hit is not None:
@@ -155,7 +156,25 @@ class HybridKV:
         return StretchMemory(k, rooms, {"splits": splits, "largest": largest, "used": used})
 
     def current_split(self, live: LiveView) -> np.ndarray:
-        return self.manager.split(live.seqs(), live.computed())
+        return self.manager.split(live.seqs(), live.computed(), live.receiving())
+
+    def held_units(self, held: dict[int, list[int]], final: Any) -> tuple[int, int]:
+        """(tokens the sequences ``held`` (by request) store, bytes of token states only
+        they hold): a finished sequence has stored its final length."""
+        seqs = [seq for seqs in held.values() for seq in seqs]
+        computed = [int(final[req]) for req, seqs in held.items() for _ in seqs]
+        return sum(computed), self.manager.token_state_bytes(seqs, computed)
+
+    def keep(self, seq: int, computed: int) -> None:
+        """A finished sequence stays for its KV to be read elsewhere, from ``computed``
+        tokens on: the blocks before what that reading needs go back."""
+        self.manager.release_skipped(seq, computed)
+
+    def moved(self, seq: int, first: int, last: int) -> tuple[int, dict[str, int]]:
+        """(bytes of one GPU, data bytes per layer kind of one GPU) that positions
+        ``[first, last)`` of ``seq`` take where it is placed: what a transfer fills."""
+        by_kind = self.manager.moved_bytes(seq, first, last)
+        return sum(by_kind.values()), by_kind
 
     def record(self, rec: Recorder, now: float, dt: float, stored: int, live: LiveView,
                running: int, waiting: int) -> None:
@@ -167,7 +186,8 @@ class HybridKV:
                        int(split[:, HELD_ELSEWHERE].sum()), m.largest_allocatable(), running, waiting)
             self.split_rec.record(now, dt, split, m.num_used_blocks())
             return
-        sums, token, free, elsewhere = self._sums(live.computed() if m.reads_windows else None, stored)
+        sums, token, free, elsewhere = self._sums(live.computed() if m.reads_windows else None, stored,
+                                                  receiving=live.receiving() if m.reads_windows else None)
         rec.record(now, dt, token, m.capacity - free, elsewhere,
                    free if self._largest_is_free else m.largest_allocatable(), running, waiting)
         self.split_rec.record_sums(now, dt, sums, m.num_used_blocks())
@@ -192,10 +212,10 @@ class HybridKV:
         """The split adds up to the pool with no negative part, and the manager's own
         checks (tests add a position-by-position oracle through ``engine.checks``)."""
         m = self.manager
-        split = m.split(live.seqs(), live.computed())
+        split = m.split(live.seqs(), live.computed(), live.receiving())
         assert int(split.sum()) == m.capacity and int(split.min()) >= 0, f"broken byte split:\n{split}"
         if m.split_is_linear:
-            m.sums(live.computed(), int(live.computed().sum()))   # checks the parts
+            m.sums(live.computed(), int(live.computed().sum()), receiving=live.receiving())  # checks the parts
         m.check()
 
     def summary(self) -> dict[str, Any]:

@@ -85,10 +85,14 @@ class LiveView(Protocol):
     """The sequences holding memory now, as the engine sees them (it passes itself)."""
 
     def seqs(self) -> np.ndarray:
-        """Their ids: the decoding rows', then each prefilling request's first."""
+        """Their ids: the decoding rows', then each prefilling request's first, then
+        those of finished requests kept for their KV to be read elsewhere."""
 
     def computed(self) -> np.ndarray:
         """Tokens each has stored, in the order of :meth:`seqs`."""
+
+    def receiving(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, tokens stored) of the sequences placed ahead of KV still arriving."""
 
 
 class PrefixCache(Protocol):
@@ -131,7 +135,10 @@ class KVManager(Protocol):
     def admission_tokens(self, prompt: int, output: int, context: int) -> int: ...
 
     def admit(self, seqs: Sequence[int], tokens: int, final: int, prompt: int,
-              hit: Hit | None) -> Admitted | None: ...
+              hit: Hit | None, external: int = 0) -> Admitted | None:
+        """Place a request's sequences for ``tokens`` tokens past its ``hit``; the next
+        ``external`` tokens' KV will arrive from elsewhere (a manager may then place only
+        what reading past them needs). None: no room, nothing changed."""
 
     def blocked_by_fragmentation(self, tokens: int) -> bool: ...
 

@@ -129,6 +129,10 @@ LABELS: dict[str, str] = {
     "prefill_instances": "prefill instances",
     "decode_instances": "decode instances",
     "router": "router",
+    "mean_kv_transfer_bytes": "bytes per KV transfer",
+    "mean_kv_transfer_s": "time on the link per KV transfer (s)",
+    **{f"kv_transfer_bytes_by_kind.{kind}": f"bytes moved, {kind} layers"
+       for kind in ("full", "mla", "sliding", "chunked", "mamba", "linear")},
 }
 
 #: fractions drawn as percentages
@@ -273,6 +277,10 @@ def _legend(fig: Figure, axes: np.ndarray, spec: FigureSpec) -> None:
 
 
 def _bar_value(value: float) -> str:
+    """``0.023``, ``3,580``, ``1.08G``: three figures from a million on."""
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
