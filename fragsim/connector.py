@@ -25,7 +25,8 @@ idle                         :meth:`~KVConnector.next_done`: when the next trans
 
 :class:`HeldBlocks` keeps the sequences a connector holds past their request's end,
 and works out what part of the pool only they hold (the split's ``held`` part,
-:class:`fragsim.metrics.Recorder`).
+:class:`fragsim.metrics.Recorder`). :class:`MultiConnector` puts several connectors in
+the one slot (a side of a prefill/decode split over an offload tier), as vLLM's does.
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ class KVConnector(Protocol):
     def probe(self, req: int, prompt: int, context: int, gpu_hit: int) -> int | None:
         """Tokens it holds past ``gpu_hit`` (0: none); None: skip ``req`` this step."""
 
-    def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float) -> int:
-        """``req``'s blocks are placed: start loading; returns the tokens it waits for."""
+    def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float,
+                   load: bool = True) -> int:
+        """``req``'s blocks are placed: start loading; returns the tokens it waits for
+        (``load=False``: another connector loads it; this one only follows it)."""
 
     def cancel(self, req: int) -> None:
         """``req`` was preempted while loading."""
@@ -110,6 +113,13 @@ class HeldBlocks:
     def hold(self, req: int, seq: int) -> None:
         self.by_req.setdefault(req, []).append(seq)
 
+    def drop(self, req: int, seq: int) -> None:
+        """``seq`` of ``req`` is held no more (freed elsewhere)."""
+        seqs = self.by_req[req]
+        seqs.remove(seq)
+        if not seqs:
+            del self.by_req[req]
+
     def release(self, req: int, free: Callable[[int], Any]) -> bool:
         """Free ``req``'s held sequences; True if it held any."""
         seqs = self.by_req.pop(req, ())
@@ -139,3 +149,133 @@ class HeldBlocks:
         unused = sum(max(0, alloc.num_owned(seq) - int(final[req]))
                      for req, seqs in held.items() for seq in seqs)
         return stored, only * alloc.block_size - unused
+
+
+def parts(connector: Any) -> list[Any]:
+    """The connectors an engine's connector slot holds (one, or a :class:`MultiConnector`'s)."""
+    if connector is None:
+        return []
+    return list(getattr(connector, "connectors", [connector]))
+
+
+class MultiConnector:
+    """Several connectors in the engine's one slot, as vLLM's ``MultiConnector``
+    composes them (``vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py``):
+    an instance of a prefill/decode split with an offload tier, say.
+
+    Every connector is asked at admission; the first that can supply tokens loads
+    the request, and the others see it with nothing to load, so they still store its
+    blocks (a decode instance's tier keeps the KV that arrived). A connector asking
+    to skip the request skips it. A finished request's blocks stay until every
+    connector that holds them is done with them; its held part is counted once.
+    """
+
+    def __init__(self, connectors: list[Any]) -> None:
+        self.connectors = connectors
+        self.host_pool = next((c.host_pool for c in connectors if c.host_pool is not None), None)
+        self._loader: dict[int, Any] = {}    # req -> the connector that loads it
+        self._holders: dict[int, int] = {}   # seq -> connectors still holding it
+        self._held_by: dict[int, int] = {}   # seq -> its request
+        self._sent: set[int] = set()         # held seqs a side of a transfer held too
+        self.held = HeldBlocks()
+
+    @property
+    def busy(self) -> bool:
+        return any(c.busy for c in self.connectors)
+
+    def bind(self, env: simpy.Environment) -> None:
+        for c in self.connectors:
+            c.bind(env)
+
+    def probe(self, req: int, prompt: int, context: int, gpu_hit: int) -> int | None:
+        found = 0
+        self._loader.pop(req, None)
+        for c in self.connectors:
+            tokens = c.probe(req, prompt, context, gpu_hit)
+            if tokens is None:
+                return None
+            if not found and tokens > 0:
+                found = tokens
+                self._loader[req] = c
+        return found
+
+    def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float,
+                   load: bool = True) -> int:
+        loader = self._loader.get(req) if load else None
+        tokens = 0
+        for c in self.connectors:
+            if loader is not None and c is loader:
+                tokens = c.start_load(req, prompt, context, gpu_hit, now)
+            else:
+                c.start_load(req, prompt, context, gpu_hit, now, load=False)
+        if not tokens:
+            self._loader.pop(req, None)
+        return tokens
+
+    def cancel(self, req: int) -> None:
+        self._loader.pop(req).cancel(req)
+
+    def poll(self, now: float, free: Callable[[int], Any]) -> tuple[list[int], bool]:
+        freed = False
+
+        def release(seq: int) -> None:
+            nonlocal freed
+            left = self._holders[seq] - 1
+            if left:
+                self._holders[seq] = left
+                return
+            del self._holders[seq]
+            self.held.drop(self._held_by[seq], seq)
+            del self._held_by[seq]
+            self._sent.discard(seq)
+            free(seq)
+            freed = True
+
+        ready: list[int] = []
+        for c in self.connectors:
+            landed, _ = c.poll(now, release)
+            ready += landed
+        for req in ready:
+            self._loader.pop(req, None)
+        return ready, freed
+
+    def store(self, req: int, prompt: int, computed: int, now: float) -> None:
+        for c in self.connectors:
+            c.store(req, prompt, computed, now)
+
+    def must_hold(self, req: int) -> bool:
+        return any(c.must_hold(req) for c in self.connectors)
+
+    def hold(self, req: int, seq: int) -> None:
+        holders = [c for c in self.connectors if c.must_hold(req)]
+        for c in holders:
+            c.hold(req, seq)
+        self._holders[seq] = len(holders)
+        self._held_by[seq] = req
+        if any(getattr(c, "sends_kv", False) for c in holders):
+            self._sent.add(seq)
+        self.held.hold(req, seq)
+
+    def finish(self, req: int, now: float) -> None:
+        for c in self.connectors:
+            c.finish(req, now)
+
+    def held_slots(self, kv: Any, final: Any) -> tuple[int, int]:
+        return self.held.slots(kv, final)
+
+    def next_done(self) -> float | None:
+        return min((t for t in (c.next_done() for c in self.connectors) if t is not None), default=None)
+
+    def pending_at_end(self) -> bool:
+        """A copy held for a transfer lasts until every connector is done with it (its
+        stores too); otherwise as each connector says."""
+        return bool(self._sent) or any(c.pending_at_end() for c in self.connectors)
+
+    def check(self) -> None:
+        for c in self.connectors:
+            c.check()
+        assert set(self._holders) == {seq for seqs in self.held.by_req.values() for seq in seqs}
+
+    def close(self, now: float) -> None:
+        for c in self.connectors:
+            c.close(now)

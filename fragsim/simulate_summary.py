@@ -114,23 +114,27 @@ def summarize(engine: Engine, allocator_name: str, wall_time_s: float,
 def _offload_summary(engine: Engine, kv_bytes_per_token: int) -> dict[str, Any]:
     """The tiers below the GPU pool: vLLM's external prefix-cache counts (tokens), the
     GPU slots held only for pending stores, and one entry per tier (empty without)."""
+    from fragsim.connector import parts
     from fragsim.offload.connector import OffloadConnector
 
-    connector = engine.connector
-    offload = connector if isinstance(connector, OffloadConnector) else None
+    connectors = parts(engine.connector)
+    offload = next((c for c in connectors if isinstance(c, OffloadConnector)), None)
+    sending = any(getattr(c, "sends_kv", False) for c in connectors)
     cap = engine.capacity
     held, peak = engine.rec.mean_held(), engine.rec.peak_held()
     out: dict[str, Any] = {
         "external_prefix_cache_queries": offload.queries if offload is not None else 0,
         "external_prefix_cache_hits": offload.hits if offload is not None else 0,
-        "mean_store_pending_slots": held if offload is not None else 0.0,
-        "store_pending_frac": held / cap if cap and offload is not None else 0.0,
-        "peak_store_pending_slots": peak if offload is not None else 0,
+        "mean_store_pending_slots": held if offload is not None and not sending else 0.0,
+        "store_pending_frac": held / cap if cap and offload is not None and not sending else 0.0,
+        "peak_store_pending_slots": peak if offload is not None and not sending else 0,
         "tiers": offload.summary() if offload is not None else [],
     }
-    if connector is not None and offload is None:  # a prefill instance: held for transfers
-        out.update(mean_kv_sending_slots=held, kv_sending_frac=held / cap if cap else 0.0,
-                   peak_kv_sending_slots=peak)
+    if any(hasattr(c, "sends_kv") for c in connectors):  # a side of a prefill/decode split
+        # A prefill instance holds for transfers (and for its stores, with a tier).
+        sent = held if sending else 0.0
+        out.update(mean_kv_sending_slots=sent, kv_sending_frac=sent / cap if cap else 0.0,
+                   peak_kv_sending_slots=peak if sending else 0)
     return out
 
 

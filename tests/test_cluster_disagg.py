@@ -142,8 +142,6 @@ def test_bad_splits_name_the_option() -> None:
         simulate(tr, "vllm", spec(decode_instances=0), check=True)
     with pytest.raises(FragsimError, match="exceed --instances 2"):
         simulate(tr, "vllm", spec(prefill_instances=2), check=True)
-    with pytest.raises(FragsimError, match="--kv-offloading-size with --prefill-instances"):
-        simulate(tr, "vllm", spec(kv_offloading_size=1.0), check=True)
     with pytest.raises(FragsimError, match="--kv-transfer-bandwidth must be > 0"):
         simulate(tr, "vllm", spec(kv_transfer_bandwidth_gbps=0.0), check=True)
 

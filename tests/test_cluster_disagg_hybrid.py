@@ -95,6 +95,7 @@ def test_a_state_model_moves_one_state_per_state_layer() -> None:
 
 @pytest.mark.parametrize("model, manager, pool", [
     ("gpt-oss-20b", "vllm-hybrid", GiB // 2), ("gpt-oss-20b", "jenga", GiB // 2),
+    ("gpt-oss-20b", "paged-uniform", GiB // 2),
     ("gemma-3-27b", "static-partition", GiB), ("llama-4-scout", "vllm-hybrid", 2 * GiB),
     ("nemotron-h-56b", "vllm-hybrid", 4 * GiB)])
 def test_a_loaded_cluster_keeps_every_split_at_every_step(model: str, manager: str, pool: int,

@@ -143,8 +143,8 @@ def test_a_wrong_simulated_split_is_caught(monkeypatch) -> None:
 
     real = HybridManager.split
 
-    def off_by_one_token(self, seqs, computed):
-        out = real(self, seqs, computed)
+    def off_by_one_token(self, seqs, computed, receiving=None):
+        out = real(self, seqs, computed, receiving)
         if len(seqs):
             out[0, TOKEN] += self.rows[0].token_bytes
             out[0, RESERVATION] -= self.rows[0].token_bytes

@@ -40,6 +40,7 @@ from fragsim.cluster.summary import (
     requests_table,
     transfer_summary,
 )
+from fragsim.connector import MultiConnector
 from fragsim.errors import FragsimError
 
 
@@ -211,9 +212,6 @@ def _refuse_with_disaggregation(members: list[Member]) -> None:
             raise FragsimError(f"--prefix-caching with allocator {m.allocator!r} and --prefill-instances: "
                                "a hybrid KV manager's prefix cache is not modelled under disaggregation "
                                "in this release")
-        if spec.kv_offloading_size is not None:
-            raise FragsimError("--kv-offloading-size with --prefill-instances: an instance has one KV "
-                               "connector in this release (an offload tier or a side of the transfer)")
         if spec.batching == "static":
             raise FragsimError("--batching static with --prefill-instances: disaggregation needs "
                                "continuous batching")
@@ -239,22 +237,26 @@ def _wire_disaggregation(env: simpy.Environment, trace: Any, members: list[Membe
 
     def hand_off(req: int, sender: int, now: float) -> None:
         """``req``'s prefill ended on ``sender`` at ``now``: its decode instance gets it then."""
-        receiver = engines[pools.decode_of.pop(req)]
+        index = pools.decode_of.pop(req)
+        receiver, side = engines[index], link.receivers[index]
 
         def deliver(_: Any) -> None:
             receiver.requests.hand_in(req)
-            receiver.connector.expect(req, sender)
+            side.expect(req, sender)
             receiver.poke()
         _UrgentTimeout(env, now - env.now).callbacks.append(deliver)
 
     for i, (role, engine) in enumerate(zip(pools.roles, engines, strict=True)):
         link.pokes[i] = engine.poke
         engine.requests.route_as_they_come()
+        side: Any = None
         if role == "prefill":
-            engine.connector = PrefillSide(link, i, hand_off, _keep_window(engine))
+            side = PrefillSide(link, i, hand_off, _keep_window(engine))
         elif role == "decode":
-            engine.connector = DecodeSide(link, i, engine.requests, _payload(engine, members[i].spec.tp))
+            side = DecodeSide(link, i, engine.requests, _payload(engine, members[i].spec.tp))
             engine.requests.takes_hand_ins = True
+        if side is not None:  # the transfer first, then an offload tier (as llm-d stacks them)
+            engine.connector = side if engine.connector is None else MultiConnector([side, engine.connector])
     env.process(route_disaggregated(env, np.asarray(trace.arrival_s), np.asarray(trace.prompt_len),
                                     engines, pools, settings.pd_threshold, _UrgentTimeout))
     return link

@@ -44,9 +44,17 @@ as vLLM frees out-of-window blocks before ``request_finished``. Where vLLM's pre
 stops one token short for a state model, here it computes the whole prompt; the
 decode side recomputes the last token in both.
 
-Not modelled: layer-wise overlap of the transfer with the prefill, a timeout after
-which the prefill side frees unread blocks (vLLM's abort timeout), and a hybrid
-manager's prefix cache under disaggregation (refused by name).
+How long the prefill side keeps an unread copy: vLLM 0.33 keeps it under a lease
+(``kv_lease_duration``, 30 s) that the decode side renews every 5 s while the request
+waits in its queue, and frees it at once when the decode side aborts the request
+unscheduled; the lease runs out only when a decode instance stops answering. Instances
+here do not fail, so a copy lives until it is read, or until its decode side refuses
+the request (:meth:`KVLink.drop`).
+
+Not modelled: layer-wise overlap of the transfer with the prefill (vLLM's
+NixlConnector pulls the KV once the prefill has ended; overlap needs a push flow whose
+decode side reserves before the prefill runs), and a hybrid manager's prefix cache
+under disaggregation (refused by name).
 """
 
 from __future__ import annotations
@@ -102,6 +110,7 @@ class KVLink:
         self.env: simpy.Environment | None = None
         self.ports: list[simpy.Resource] = []
         self.senders: dict[int, PrefillSide] = {}
+        self.receivers: dict[int, DecodeSide] = {}
         self.pokes: dict[int, Callable[[], None]] = {}  # instance -> wake its engine
         self.done: list[Handoff] = []
         self.dropped = 0            # copies freed unread (the decode side refused the request)
@@ -206,6 +215,7 @@ class PrefillSide:
     """The connector of a prefill instance (see the module docstring)."""
 
     host_pool = None
+    sends_kv = True  # what it holds is KV waiting to be read (the split's sending part)
 
     def __init__(self, link: KVLink, index: int, hand_off: Callable[[int, int, float], None],
                  keep: Callable[[int, int], None] | None = None) -> None:
@@ -232,7 +242,8 @@ class PrefillSide:
     def probe(self, req: int, prompt: int, context: int, gpu_hit: int) -> int | None:
         return 0  # nothing comes in here
 
-    def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float) -> int:
+    def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float,
+                   load: bool = True) -> int:
         return 0
 
     def cancel(self, req: int) -> None:
@@ -280,12 +291,14 @@ class DecodeSide:
     """The connector of a decode instance (see the module docstring)."""
 
     host_pool = None
+    sends_kv = False
 
     def __init__(self, link: KVLink, index: int, requests: Any,
                  payload: Callable[[int, int, int], tuple[int, dict[str, int]]] | None = None) -> None:
         """``payload(req, first, last)``: what moving positions ``[first, last)`` of
         ``req`` into its placed blocks takes (:meth:`KVLink.send`); None: whole blocks."""
         self.link, self.index, self.requests, self.payload = link, index, requests, payload
+        link.receivers[index] = self
         self.remote: dict[int, int] = {}      # req -> its prefill instance, until admitted
         self.loading: dict[int, Handoff] = {}
         self.env: simpy.Environment | None = None
@@ -311,11 +324,14 @@ class DecodeSide:
         blocks are placed)."""
         return context - gpu_hit if req in self.remote else 0
 
-    def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float) -> int:
+    def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float,
+                   load: bool = True) -> int:
         """``req``'s blocks are placed: move what its own prefix hit lacks (a request
         that recomputes after a preemption here moves nothing: its prefill side's copy
         is gone)."""
         self.now = now
+        if not load:
+            return 0
         sender = self.remote.pop(req, None)
         if sender is None:
             return 0

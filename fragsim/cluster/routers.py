@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fragsim.cluster.view import EventIndex, LoadView, RoutedIndex
+from fragsim.connector import parts
 
 if TYPE_CHECKING:
     from fragsim.engine import Engine
@@ -216,8 +217,8 @@ def _tier_index(engine: Engine) -> RoutedIndex | None:
     """The router's index of an instance's offload tier (None: it has none)."""
     from fragsim.offload.connector import OffloadConnector
 
-    tier = engine.connector
-    if not isinstance(tier, OffloadConnector):
+    tier = next((c for c in parts(engine.connector) if isinstance(c, OffloadConnector)), None)
+    if tier is None:
         return None
     return RoutedIndex(tier.num_chunks * tier.chunk // max(engine.kv.block_size, 1))
 

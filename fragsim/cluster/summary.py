@@ -82,11 +82,13 @@ def cluster_summary(allocator: str, engines: list[Any], results: list[Any], requ
     held = sum(e.rec.mean_held() for e in engines)
     for q in _SPLIT:
         summary[f"{q}_frac"] = _share([s[f"{q}_frac"] for s in per], engines, cap)
-    sending = any(s.get("role") == "prefill" for s in per)  # held: for a transfer, else for stores
-    summary["store_pending_frac"] = held / cap if cap and not sending else 0.0
-    if sending:
-        summary["mean_kv_sending_slots"] = held
-        summary["kv_sending_frac"] = held / cap if cap else 0.0
+    # Held on a prefill instance: for a transfer (and its stores, with a tier); elsewhere for stores.
+    prefill = [e for e, s in zip(engines, per, strict=True) if s.get("role") == "prefill"]
+    sent = sum(e.rec.mean_held() for e in prefill)
+    summary["store_pending_frac"] = (held - sent) / cap if cap else 0.0
+    if prefill:
+        summary["mean_kv_sending_slots"] = sent
+        summary["kv_sending_frac"] = sent / cap if cap else 0.0
     if per[0].get("mean_token_states_slots") is not None:
         for q in _SPLIT:
             summary[f"mean_{q}_slots"] = means[q]

@@ -200,15 +200,20 @@ class OffloadConnector:
         end = self._hit_end(len(keys), prompt, context, gpu_hit, len(source))
         return end - gpu_hit if end else 0
 
-    def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float) -> int:
+    def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float,
+                   load: bool = True) -> int:
         """The request was admitted (its blocks placed): count its lookup, and load what
         the tiers hold past its GPU hit (pinned until it lands). Returns the tokens loaded,
-        which the request waits for (:meth:`loading`)."""
+        which the request waits for (:meth:`loading`). ``load=False``: another connector
+        brings its KV (:class:`~fragsim.connector.MultiConnector`); its chunks are stored
+        as they are computed or arrive."""
         self.now = now
         keys = self._prompt_keys(req, prompt)
         first = gpu_hit // self.chunk
         self._next_store.setdefault(req, first)
         self.queries += context - gpu_hit
+        if not load:
+            return 0
         last = min(-(-context // self.chunk), len(keys))
         source, pending = self._walk(keys, first, last)
         if pending:  # admission evicted (lazy stores): keep the ready run before it
