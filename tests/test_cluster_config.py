@@ -98,6 +98,15 @@ def test_a_bad_cluster_file_names_the_table_and_key(tmp_path: Path, edit: tuple[
         load_cluster(path)
 
 
+def test_the_defaults_name_every_pool_s_allocator(tmp_path: Path) -> None:
+    text = SMALL.replace('max_seq_len = 8192', 'max_seq_len = 8192\nallocator = "vllm-hybrid"', 1)
+    text = text.replace('max_num_seqs = 32', 'max_num_seqs = 32\nallocator = "jenga"', 1)
+    config = load_cluster(write(tmp_path, text))
+    assert [m.allocator for m in config.members] == ["vllm-hybrid"] * 3 + ["jenga"]
+    with pytest.raises(FragsimError, match=r"\[defaults\] allocator: expected a name, got 3"):
+        load_cluster(write(tmp_path, SMALL.replace('max_seq_len = 8192', 'max_seq_len = 8192\nallocator = 3', 1)))
+
+
 def test_pools_that_cannot_meet_are_refused_when_run(tmp_path: Path) -> None:
     from fragsim.cluster import run_members
     from fragsim.simulate import load_workload

@@ -123,7 +123,19 @@ def test_a_loaded_cluster_keeps_every_split_at_every_step(model: str, manager: s
     assert sum(s["kv_transfer_bytes_by_kind"].values()) == s["kv_transfer_bytes"]
 
 
-def test_hybrid_disaggregation_refuses_what_it_does_not_model() -> None:
+def test_hybrid_disaggregation_refuses_what_it_does_not_model(tmp_path: object) -> None:
+    from pathlib import Path
+
+    from fragsim.cluster import run_members
+    from fragsim.cluster.config import load_cluster
+
     tr = one(100, 4)
     with pytest.raises(FragsimError, match="--prefix-caching with allocator 'vllm-hybrid' and --prefill"):
         simulate(tr, "vllm-hybrid", spec("gpt-oss-20b", prefix_caching=True))
+    path = Path(str(tmp_path)) / "mixed.toml"
+    path.write_text('[workload]\nnum_requests = 10\n[defaults]\nmodel = "gpt-oss-20b"\n'
+                    '[[pools]]\nrole = "prefill"\nallocator = "vllm-hybrid"\n'
+                    '[[pools]]\nrole = "decode"\nallocator = "vllm"\n')
+    config = load_cluster(path)
+    with pytest.raises(FragsimError, match="either hybrid KV managers or dense allocators"):
+        run_members(load_workload(config.workload), config.members, config.settings, config.label)

@@ -17,6 +17,7 @@
     [defaults]                    # RunSpec fields every pool starts from (optional)
     model = "llama-3.1-8b"        # as fragsim run: llama-3.1-8b on h100-80gb, the
     max_num_batched_tokens = 8192 # model's context, step times fitted where known
+    allocator = "vllm"            # every pool's allocator or KV manager (default vllm)
 
     [[pools]]                     # one table per pool
     name = "prefill"              # default: its role (numbered if repeated)
@@ -26,7 +27,7 @@
     [[pools]]
     role = "decode"
     count = 3
-    allocator = "vllm"            # default vllm
+    allocator = "vllm"            # its own (default: [defaults]' allocator)
     gpu = "a100-80gb"             # any RunSpec deployment field: model, gpu, tp,
     max_num_seqs = 512            # block_size, kv_slots, cost_model, preemption, ...
 
@@ -86,7 +87,11 @@ def load_cluster(path: str | Path) -> ClusterConfig:
         if key not in WORKLOAD_KEYS:
             raise where.error("[workload]", key, f"not a trace field; allowed: {', '.join(WORKLOAD_KEYS)}")
         workload[key] = value if key == "seed" else spec_param(where, "[workload]", key, value)
-    defaults = _deployment(where, "[defaults]", _table(where, raw, "defaults"))
+    defaults = _table(where, raw, "defaults")
+    default_allocator = defaults.get("allocator", "vllm")  # every pool's, unless it names its own
+    if not isinstance(default_allocator, str):
+        raise where.error("[defaults]", "allocator", f"expected a name, got {default_allocator!r}")
+    defaults = _deployment(where, "[defaults]", {k: v for k, v in defaults.items() if k != "allocator"})
     pools = raw.get("pools")
     if not isinstance(pools, list) or not pools:
         raise where.error("[[pools]]", None, "missing: at least one pool")
@@ -108,7 +113,7 @@ def load_cluster(path: str | Path) -> ClusterConfig:
         if name in names:
             raise where.error(table, "name", f"{name!r} names pool #{names[name] + 1} already")
         names[name] = i
-        allocator = pool.get("allocator", "vllm")
+        allocator = pool.get("allocator", default_allocator)
         fields = {**BASE, **defaults,
                   **_deployment(where, table, {k: v for k, v in pool.items() if k not in _POOL_KEYS})}
         spec = _with_context(RunSpec(**{**workload, **fields, "router": settings.router}), fields)
