@@ -69,13 +69,22 @@ normalises the matched blocks and counts the waiting queue only.
 
 The metrics. TTFT and E2E come from each simulator's per-request results (fragsim's
 request table, BLIS's ``--metrics-path`` JSON), p99 by the same interpolation for both;
-load imbalance is the busiest instance's requests over the mean, from each request's
-instance, in both. The hit rates differ in kind: fragsim counts prompt tokens found in the
-cache over prompt tokens looked up; BLIS counts cached blocks a request claimed over those
-plus every block it allocated, its decode blocks included, per instance, and averages the
-instances unweighted. The table gives fragsim's own rate and, for both, BLIS's definition
-(for fragsim computed from its per-instance hits and each request's prompt and output
-blocks, ``ceil((prompt + output) / 16)``, so within a block a request of BLIS's count).
+load imbalance is the busiest instance's requests over the mean, and token imbalance its
+prompt and output tokens over the mean (round-robin is even in requests by construction,
+not in tokens), both from each request's instance. The hit rates differ in kind: fragsim
+counts prompt tokens found in the cache over prompt tokens looked up; BLIS counts cached
+blocks a request claimed over those plus every block it allocated, its decode blocks
+included, per instance, and averages the instances unweighted. The table gives fragsim's
+own rate and, for both, BLIS's definition (for fragsim computed from its per-instance hits
+and each request's prompt and output blocks, ``ceil((prompt + output) / 16)``, so within a
+block a request of BLIS's count).
+
+Arrival ties. Mooncake's timestamps come in ticks of about 3 s, so its requests arrive in
+bursts of up to ~20 at one instant. fragsim's routers count a request routed to an instance
+as waiting there at once; BLIS's ``vllm-dp`` and ``queue-depth`` scorers read the instance's
+waiting queue, which a request joins only once the instance handles it, so a burst piles
+onto one instance (its ``least-loaded`` adds the requests in flight and does not). ``--rate``
+gives every request an arrival of its own, and separates that effect from the routers'.
 
 A change counts as 0 within a tolerance (TOL in the effects table: an absolute one for the
 hit rates and the imbalance, 2% of round-robin's value for the latencies).
@@ -141,6 +150,7 @@ METRICS = (
     ("p99_ttft_s", "p99 TTFT s", "{:.3f}", "rel", 0.02),
     ("mean_e2e_s", "mean E2E s", "{:.2f}", "rel", 0.02),
     ("load_imbalance", "load imbalance", "{:.3f}", "abs", 0.01),
+    ("token_imbalance", "token imbalance", "{:.3f}", "abs", 0.01),
 )
 
 
@@ -179,10 +189,10 @@ def build_workload(path: str, num_requests: int, rate: float | None, seed: int) 
     if trace.block_hashes is None or trace.block_hash_size != HASH_BLOCK:
         raise SystemExit(f"{path}: needs content hashes, one per {HASH_BLOCK} prompt tokens "
                          "(Mooncake's hash_ids or a plain CSV's block_hashes)")
+    hashes = [tuple(h) for h in trace.block_hashes]
     if rate is not None:
         trace = assign_arrivals(trace, rate, arrival="poisson", seed=seed)
     prompt, output = trace.prompt_len.tolist(), trace.output_len.tolist()
-    hashes = [tuple(h) for h in trace.block_hashes]
     arrival_us = np.rint((trace.arrival_s - trace.arrival_s[0]) * 1e6).astype(np.int64).tolist()
 
     # a request's shared run: its longest run of leading hashes another request has too
@@ -229,7 +239,7 @@ def write_fragsim_trace(w: Workload, path: Path) -> None:
     from fragsim.traces import Trace, save_trace
 
     save_trace(Trace(name=path.stem, source=str(path), arrival_s=np.asarray(w.arrival_us) / 1e6,
-                     prompt_len=w.prompt, output_len=w.output,
+                     prompt_len=np.asarray(w.prompt), output_len=np.asarray(w.output),
                      block_hashes=flat_block_hashes(w.group, w.prefix_len, w.prompt),
                      block_hash_size=HASH_BLOCK), path)
 
@@ -270,8 +280,9 @@ def _tail(values: np.ndarray) -> dict[str, float]:
     return {"mean": float(values.mean()), "p99": float(np.percentile(values, 99))}
 
 
-def _imbalance(instance_of_request: list[int], instances: int) -> float:
-    counts = np.bincount(np.asarray(instance_of_request, dtype=np.int64), minlength=instances)
+def _imbalance(instance_of_request: list[int], instances: int, weights: Any = None) -> float:
+    """The busiest instance's requests (or, with ``weights``, tokens) over the mean."""
+    counts = np.bincount(np.asarray(instance_of_request, dtype=np.int64), weights=weights, minlength=instances)
     return float(counts.max() / counts.mean())
 
 
@@ -292,6 +303,8 @@ def run_fragsim(trace: Path, instances: int, router: Router, block: int) -> dict
             "preemptions": int(s["num_preemptions"]), "hit_rate_own": float(s["prefix_cache_hit_rate"]),
             "hit_rate_blis_def": float(np.mean(rates)), "mean_ttft_s": ttft["mean"], "p99_ttft_s": ttft["p99"],
             "mean_e2e_s": e2e["mean"], "load_imbalance": _imbalance(req["instance"].tolist(), instances),
+            "token_imbalance": _imbalance(req["instance"].tolist(), instances,
+                                          req["prompt_len"].to_numpy(float) + req["output_len"].to_numpy(float)),
             "load_imbalance_fragsim": float(s["load_imbalance"])}
 
 
@@ -306,11 +319,12 @@ def run_blis(binary: str, header: Path, data: Path, instances: int, router: Rout
     ttft = _tail(np.array([r["ttft_ms"] for r in reqs], dtype=float) / 1e3)
     e2e = _tail(np.array([r["e2e_ms"] for r in reqs], dtype=float) / 1e3)
     where = [int(str(r["handled_by"]).rsplit("_", 1)[-1]) for r in reqs]
+    tokens = [float(r["num_prefill_tokens"]) + float(r["num_decode_tokens"]) for r in reqs]
     return {"simulator": "BLIS", "router": router.label, "requests": int(m["injected_requests"]),
             "finished": int(m["completed_requests"]), "preemptions": int(m["preemption_count"]),
             "hit_rate_own": float(m["cache_hit_rate"]), "hit_rate_blis_def": float(m["cache_hit_rate"]),
             "mean_ttft_s": ttft["mean"], "p99_ttft_s": ttft["p99"], "mean_e2e_s": e2e["mean"],
-            "load_imbalance": _imbalance(where, instances),
+            "load_imbalance": _imbalance(where, instances), "token_imbalance": _imbalance(where, instances, tokens),
             "blis_ttft_mean_s": m["ttft_mean_ms"] / 1e3, "blis_ttft_p99_s": m["ttft_p99_ms"] / 1e3}
 
 
@@ -356,6 +370,9 @@ def print_report(w: Workload, instances: int, rows: dict[tuple[str, str], dict[s
           f"an unbounded cache could hit: {w.flat_share:.1%} flat (both simulators) vs {w.tree_share:.1%} "
           f"in the original hash tree")
     print(blis_note)
+    for router in ROUTERS:
+        print(f"  {router.label:<29} fragsim {' '.join(router.fragsim):<43} | BLIS --routing-policy "
+              f"{' '.join(router.blis)}")
     print()
     head = (f"{'simulator':<8} {'router':<29} {'served':>7} {'preempt':>7} {'hit own':>8} "
             + " ".join(f"{t:>{max(len(t), 8)}}" for _, t, *_ in METRICS))
@@ -435,8 +452,9 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(item))
         return 0
     blis_note = ("fragsim run --trace workload.csv --allocator vllm --json --no-save "
-                 + " ".join(fragsim_args(Path("workload.csv"), args.instances, ROUTERS[0])[2:-2]) + " --router R\n"
-                 + " ".join(str(c) for c in blis_cmd) + " --snapshot-refresh-interval 0 [--routing-scorers S]")
+                 + " ".join(fragsim_args(Path("workload.csv"), args.instances, ROUTERS[0])[2:-2]) + " ROUTER-OPTIONS\n"
+                 + " ".join(str(c) for c in blis_cmd).replace("--routing-policy ROUTER", "--routing-policy ROUTER-OPTIONS")
+                 + " --snapshot-refresh-interval 0\nrouters (ROUTER-OPTIONS):")
     print_report(w, args.instances, rows, found, blis_note)
     return 0
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fragsim.batch import Prefill
-from fragsim.request_table import BLOCK_BATCH, BLOCK_CAP, BLOCK_FRAG, RUNNING
+from fragsim.request_table import BLOCK_BATCH, BLOCK_CAP, BLOCK_FRAG, REFUSE_TOO_LONG, RUNNING
 
 if TYPE_CHECKING:
     from fragsim.engine import Engine
@@ -35,6 +35,14 @@ def admit(engine: Engine, skipped: list[int]) -> bool:
         context = prompt if width > 1 else prompt + int(reqs.generated[req])
         hit = prefix.lookup(req, prompt, context) if prefix is not None else None
         gpu_hit = hit.tokens if hit is not None else 0
+        if cfg.whole_prompts and context - gpu_hit > engine.budget:  # never chunked (vllm-v0, orca)
+            if context - gpu_hit > cfg.num_batched_tokens:
+                # Recomputed after a preemption, it outgrew any step: vLLM 0.1 ignores it.
+                engine.waiting.popleft()
+                reqs.refuse(req, REFUSE_TOO_LONG, engine.now)
+                continue
+            reqs.mark_blocked(req, BLOCK_BATCH)
+            return True
         external = connector.probe(req, prompt, context, gpu_hit) if connector is not None else 0
         if external is None:
             # Part of its hit in a tier is still being written: vLLM skips it this step.

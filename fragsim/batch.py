@@ -99,6 +99,17 @@ class DecodeBatch:
         else:
             self._sums_n = -1
 
+    def pause(self) -> None:
+        """Every row skips the step now ending: its length stays while ``g`` advances
+        (a prompt-only step of vLLM 0.1's scheduler)."""
+        n = self.n
+        if not n:
+            return
+        self.offset[:n] -= 1
+        if self._sums_n == n:  # else they are worked out anew when asked
+            end_min = self._end_min
+            self._sums_at(n, self._offset_sum - n, None if end_min is None else end_min + 1)
+
     def remove(self, row: int) -> None:
         """Swap-remove ``row`` (the last row takes its place)."""
         last = self.n - 1

@@ -13,8 +13,14 @@ A step starts at time ``t`` and lasts the cost model's step time ``dt``.
   chunks continue; then waiting requests are admitted first-come first-served
   while the KV manager and the batch limits (``max_num_seqs``,
   ``max_num_batched_tokens``) allow, each starting after its prefix-cache hit.
+  That is today's vLLM (``--scheduler vllm-v1``). ``vllm-v0`` (vLLM 0.1, the vLLM
+  paper's engine) admits whole prompts first and, if any, runs them alone while the
+  decoding rows wait; else a decode-only step grows the rows. ``orca`` admits whole
+  prompts beside the decodes, never a chunk (:meth:`Engine._decide`,
+  :meth:`Engine._decide_v0`).
 * During the step the pool holds what was decided at its start.
-* At its end: each decoding sequence has stored one more token; a prompt whose
+* At its end: each decoding sequence has stored one more token (not after a
+  prompt-only step of ``vllm-v0``); a prompt whose
   last chunk ran holds ``prompt_len + 1`` tokens (its KV and the first output
   token); computed full prompt blocks join the prefix cache; a request that
   reaches ``prompt_len + output_len`` completes and frees its memory at that
@@ -213,20 +219,7 @@ class Engine:
         self.expire_waiting()
         if self.connector is not None:
             admission.poll_connector(self)
-        if self.grows:
-            self._grow_decoders()
-        self.budget = cfg.num_batched_tokens - self.batch.n
-        preemption.resume_swapped(self)
-        for p in self.prefilling:
-            if self.budget <= 0:
-                break
-            if p.loading:
-                continue
-            if not self.chunks or all(p is not q for q, _ in self.chunks):
-                chunk = min(self.budget, p.target - p.done)
-                self.chunks.append((p, chunk))
-                self.budget -= chunk
-        head_blocked = not self.swapped and self.admit_waiting()
+        head_blocked, prompts_only = self._decide_v0() if cfg.scheduler == "vllm-v0" else (self._decide(), False)
         swapped_blocked = bool(self.swapped)
 
         b = self.batch
@@ -235,7 +228,8 @@ class Engine:
         if self.chunks or self.step_extra:
             tokens = sum(c for _, c in self.chunks)
             units = sum(c * p.done + c * (c - 1) // 2 for p, c in self.chunks)
-            dt = self.cost.step_time(tokens, units, n, decode_context) + self.step_extra
+            decoding, read = (0, 0) if prompts_only else (n, decode_context)
+            dt = self.cost.step_time(tokens, units, decoding, read) + self.step_extra
         elif n:
             if self.decode_step_time is not None:
                 dt = self.decode_step_time(n, decode_context)
@@ -250,12 +244,60 @@ class Engine:
             self.observer.before_step(self, dt)
         self.now = self.now + dt
         self.num_steps += 1
+        if prompts_only:
+            b.pause()  # the decoding rows wait out a prompt step
         self._end_step()
         if self.observer is not None:
             self.observer.after_step(self)
         self.quiet = (not self.prefilling and not self.freed
                       and (head_blocked or not self.waiting) and (swapped_blocked or not self.swapped))
         return dt
+
+    def _decide(self) -> bool:
+        """A step as vLLM's V1 scheduler builds it (``vllm-v1``;
+        ``vllm/v1/core/sched/scheduler.py``, ``Scheduler.schedule``: running requests
+        first, then waiting ones, in one token budget), or Orca's (``orca``: Yu et al.,
+        OSDI 2022, §4.2, iteration-level scheduling with selective batching, as the vLLM
+        paper reimplemented it on its engine, §6.1): every decoding sequence grows,
+        swapped requests resume, unfinished prompt chunks continue, then waiting
+        requests are admitted; prompts and decodes share the step's token budget. Under
+        ``orca`` a prompt is admitted whole or not at all, FCFS
+        (:func:`fragsim.admission.admit`). True if the queue head is blocked."""
+        if self.grows:
+            self._grow_decoders()
+        self.budget = self.cfg.num_batched_tokens - self.batch.n
+        preemption.resume_swapped(self)
+        for p in self.prefilling:
+            if self.budget <= 0:
+                break
+            if p.loading:
+                continue
+            if not self.chunks or all(p is not q for q, _ in self.chunks):
+                chunk = min(self.budget, p.target - p.done)
+                self.chunks.append((p, chunk))
+                self.budget -= chunk
+        return not self.swapped and self.admit_waiting()
+
+    def _decide_v0(self) -> tuple[bool, bool]:
+        """A step as vLLM 0.1's scheduler builds it (``vllm-v0``;
+        ``vllm/core/scheduler.py``, ``Scheduler._schedule``): with nothing swapped out,
+        waiting prompts are admitted first, whole, while the step's whole token budget,
+        ``max_num_seqs`` and memory allow, and if any is, the step runs prompts only
+        (the decoding rows wait). Otherwise it is a decode step: every decoding sequence
+        grows (preempting the latest-arrived request when a block is missing), and
+        swapped requests resume. Returns (queue head blocked, prompts only)."""
+        self.budget = self.cfg.num_batched_tokens
+        # Blocked: asked and refused (with requests swapped out, the queue is not asked).
+        head_blocked = self.admit_waiting() if not self.swapped else not self.waiting
+        if self.chunks:
+            return head_blocked, True
+        queued = len(self.waiting)
+        if self.grows:
+            self._grow_decoders()
+        self.budget = self.cfg.num_batched_tokens - self.batch.n
+        preemption.resume_swapped(self)
+        # A request preempted to the queue's head is asked again next step.
+        return head_blocked and len(self.waiting) == queued, False
 
     def record_step(self, dt: float, decode_context: int) -> None:
         """The split held during this step (``decode_context``: tokens the decode rows hold)."""

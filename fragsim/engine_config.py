@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 BATCHING = ("continuous", "static")
 PREEMPTION = ("recompute", "swap")
+#: how continuous batching builds a step (:mod:`fragsim.engine`'s docstring has the rules)
+SCHEDULERS = ("vllm-v1", "vllm-v0", "orca")
+#: vLLM 0.1's ``--max-num-batched-tokens`` default (``vllm/engine/arg_utils.py``, 0.1.x)
+VLLM_V0_BATCHED_TOKENS = 2560
 
 
 @dataclass(frozen=True)
@@ -16,6 +20,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # None: max(max_seq_len, 2048), at most 8192
     batching: str = "continuous"
+    scheduler: str = "vllm-v1"
     preemption: str = "recompute"
     swap_space_slots: int = 0
     swap_bandwidth: float = 25e9         # bytes/s over PCIe
@@ -43,6 +48,10 @@ class EngineConfig:
         need(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         need(self.batching in BATCHING, f"batching must be one of {', '.join(BATCHING)}, got {self.batching!r}")
         need(self.preemption in PREEMPTION, f"preemption must be one of {', '.join(PREEMPTION)}, got {self.preemption!r}")
+        need(self.scheduler in SCHEDULERS,
+             f"scheduler must be one of {', '.join(SCHEDULERS)}, got {self.scheduler!r}")
+        need(self.scheduler == "vllm-v1" or self.batching == "continuous",
+             f"--scheduler {self.scheduler} builds iteration-level steps: it needs continuous batching")
         need(self.swap_space_slots >= 0, f"swap space must be >= 0, got {self.swap_space_slots}")
         need(self.swap_bandwidth > 0, f"swap bandwidth must be > 0, got {self.swap_bandwidth}")
         need(self.queue_timeout_s is None or self.queue_timeout_s > 0,
@@ -73,10 +82,18 @@ class EngineConfig:
         return self.width > 1 or self.prefix_caching
 
     @property
+    def whole_prompts(self) -> bool:
+        """Whether a prompt runs in one step, never chunked (``vllm-v0``, ``orca``)."""
+        return self.scheduler != "vllm-v1"
+
+    @property
     def num_batched_tokens(self) -> int:
         """The step's token budget. By default a whole prompt fits one step up to 8,192
         tokens (vLLM without chunking uses max(max_model_len, 2048)); longer prompts
-        are chunked rather than making one step of a 128K prompt."""
+        are chunked rather than making one step of a 128K prompt. The schedulers of the
+        vLLM paper's engine (``vllm-v0``, ``orca``) take vLLM 0.1's 2,560."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
+        if self.whole_prompts:
+            return VLLM_V0_BATCHED_TOKENS
         return min(max(self.max_seq_len, 2048), 8192)

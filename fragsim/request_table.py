@@ -126,6 +126,8 @@ class RequestTable:
             self.prompt[fixable] = cfg.max_seq_len - self.output[fixable]
             self.counters.num_truncated = int(fixable.sum())
             too_long &= ~fixable
+        if cfg.whole_prompts:  # vLLM 0.1 ignores a prompt over min(max_model_len, max_num_batched_tokens)
+            too_long |= self.prompt > cfg.num_batched_tokens
         fits = fits_alone(self.prompt, self.output, cfg.width) if self.N else too_long
         too_large = ~too_long & ~fits
         self.refused[too_long] = REFUSE_TOO_LONG

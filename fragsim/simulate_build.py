@@ -92,6 +92,8 @@ def make_offload(trace: Any, allocator_name: str, spec: RunSpec, model: Any, gpu
         why = "parallel sampling and beam search are not modelled with a tier"
     elif spec.batching != "continuous":
         why = "a tier needs continuous batching"
+    elif spec.scheduler != "vllm-v1":
+        why = f"a tier runs under today's scheduler (vllm-v1), not {spec.scheduler}"
     if why is not None:
         raise FragsimError(f"--kv-offloading-size with allocator {allocator_name!r}: {why}")
     assert spec.kv_offloading_size is not None
@@ -147,6 +149,7 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
         config = EngineConfig(
             max_seq_len=spec.max_seq_len, max_num_seqs=spec.max_num_seqs,
             max_num_batched_tokens=spec.max_num_batched_tokens, batching=spec.batching,
+            scheduler=spec.scheduler,
             preemption=spec.preemption,
             swap_space_slots=int(spec.swap_space_gb * 2**30 // kv_per_gpu),
             swap_bandwidth=gpu.pcie_bandwidth, kv_bytes_per_token=kv_per_gpu,

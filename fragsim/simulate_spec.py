@@ -40,6 +40,7 @@ class RunSpec:
     kv_cache_memory_bytes: int | None = None  # vLLM's --kv-cache-memory-bytes: the pool in bytes
     hybrid_chunked: bool = True           # vLLM's hybrid manager for chunked local attention (0.33: on)
     batching: str = "continuous"
+    scheduler: str = "vllm-v1"            # how a continuous-batching step is built (fragsim.engine)
     preemption: str = "recompute"
     swap_space_gb: float = 4.0
     queue_timeout_s: float | None = None

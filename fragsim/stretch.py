@@ -165,12 +165,17 @@ def waiting_counts(engine: Engine, stretch: Plan, k: int) -> np.ndarray:
 
 def head_tokens(engine: Engine) -> int | None:
     """Tokens the queue's head would ask for if the batch limits let it in (None:
-    nothing waits, or the limits keep it out whatever memory frees)."""
-    if not engine.waiting or engine.num_running() >= engine.cfg.max_num_seqs \
-            or engine.batch.n >= engine.cfg.num_batched_tokens:
+    nothing waits, or the limits keep it out whatever memory frees). A prompt step of
+    ``vllm-v0`` has the whole token budget; under ``orca`` a prompt must fit whole."""
+    cfg = engine.cfg
+    if not engine.waiting or engine.num_running() >= cfg.max_num_seqs:
         return None
+    room = cfg.num_batched_tokens - (0 if cfg.scheduler == "vllm-v0" else engine.batch.n)
     head, reqs = engine.waiting[0], engine.requests
-    return int(reqs.prompt[head] + reqs.generated[head]) + 1
+    context = int(reqs.prompt[head] + reqs.generated[head])
+    if room <= 0 or (cfg.whole_prompts and not cfg.prefix_caching and context > room):
+        return None
+    return context + 1
 
 
 def jump(engine: Engine) -> float:

@@ -11,6 +11,7 @@ import argparse
 from typing import Any
 
 from fragsim.cli.args import nonnegative_float, nonnegative_int, positive_float, positive_int
+from fragsim.engine_config import SCHEDULERS
 
 
 def _window(text: str) -> tuple[float, float]:
@@ -84,9 +85,14 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=positive_int, default=256,
                    help="most sequences running at once (default 256)")
     g.add_argument("--max-num-batched-tokens", type=positive_int,
-                   help="token budget per step (default max(max-seq-len, 2048), at most 8192; longer prompts are chunked)")
+                   help="token budget per step (default max(max-seq-len, 2048), at most 8192; longer prompts are chunked; 2,560 under --scheduler vllm-v0 or orca, whose prompts are never chunked)")
     g.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="iteration-level (Orca/vLLM) or request-level (HF/FasterTransformer) batching")
+    g.add_argument("--scheduler", choices=SCHEDULERS, default="vllm-v1",
+                   help="how a step is built: vllm-v1 (today's vLLM: chunked prompts share steps with "
+                        "decodes), vllm-v0 (vLLM 0.1, the vLLM paper's: whole prompts in prompt-only "
+                        "steps first, else decode-only steps; 2,560 batched tokens by default) or orca "
+                        "(Orca's iteration-level batching: whole prompts beside decodes); default vllm-v1")
     g.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     g.add_argument("--swap-space-gb", type=float, default=4.0, help="CPU swap pool in GiB (default 4)")
     g.add_argument("--queue-timeout", type=positive_float, metavar="S",
@@ -200,7 +206,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         gpu_memory_utilization=args.gpu_memory_utilization, kv_slots=args.kv_slots,
         kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None),
         hybrid_chunked=getattr(args, "hybrid_chunked", True),
-        batching=args.batching, preemption=args.preemption, swap_space_gb=args.swap_space_gb,
+        batching=args.batching, scheduler=args.scheduler, preemption=args.preemption, swap_space_gb=args.swap_space_gb,
         queue_timeout_s=args.queue_timeout, truncate_prompts=args.truncate_prompts,
         cost_model=args.cost_model, step_time_s=args.step_time, rate=args.rate,
         arrival=args.arrival, cv=args.cv, num_requests=args.num_requests,

@@ -212,6 +212,9 @@ def _refuse_with_disaggregation(members: list[Member]) -> None:
             raise FragsimError(f"--prefix-caching with allocator {m.allocator!r} and --prefill-instances: "
                                "a hybrid KV manager's prefix cache is not modelled under disaggregation "
                                "in this release")
+        if spec.scheduler != "vllm-v1":
+            raise FragsimError(f"--scheduler {spec.scheduler} with --prefill-instances: disaggregation "
+                               "runs under today's scheduler (vllm-v1)")
         if spec.batching == "static":
             raise FragsimError("--batching static with --prefill-instances: disaggregation needs "
                                "continuous batching")

@@ -15,6 +15,7 @@ from typing import Any
 
 from fragsim.cluster.routers import ROUTERS
 from fragsim.costmodel import COST_MODELS
+from fragsim.engine_config import SCHEDULERS
 from fragsim.errors import FragsimError
 from fragsim.offload.policies import POLICIES as OFFLOAD_POLICIES
 from fragsim.offload.spec import BACKENDS as OFFLOAD_BACKENDS
@@ -29,6 +30,7 @@ SWEEPABLE = {**SPEC_TYPES, "seed": int}
 #: RunSpec string fields with a closed set of values, checked before anything runs
 CHOICES: dict[str, tuple[str, ...]] = {
     "batching": ("continuous", "static"),
+    "scheduler": SCHEDULERS,
     "preemption": ("recompute", "swap"),
     "arrival": ("poisson", "gamma"),
     "cost_model": COST_MODELS,
