@@ -29,6 +29,12 @@ Three kinds of measurement, told apart by their columns or keys:
     The fit replays each point and matches the mean batch. Points marked
     ``held_out = true`` are not fitted and only reported. This is how the
     ``vllm-paper`` preset is made (``experiments/calibration/vllm_paper.toml``).
+    A point replays ``num_requests`` requests (default 1,000), or its rate times
+    ``duration_s`` (the point's or the file's: the paper's one-hour traces are
+    ``duration_s = 3600``). After the fit each point's replay says whether its queue
+    was still growing when the arrivals ended (:mod:`fragsim.steady`); the command
+    refuses to write a fit whose fitted points include such a transient, unless
+    ``--allow-transient``.
 
 Measured attention: ``--attention-times kernels.json`` (the GPU backend's decode
 kernel timings, :func:`attention_from_kernels`) sets the memory-bound context term

@@ -23,6 +23,7 @@ from fragsim.calibrate_measurements import Measurements, point_specs
 from fragsim.calibrate_report import FitReport, _errors, _request_errors
 from fragsim.costmodel import TERMS, StepCostModel
 from fragsim.errors import FragsimError
+from fragsim.steady import queue_trend
 
 REQUEST_TERMS = ("overhead_s", "per_seq_s", "prefill_token_s", "context_token_s")
 POINT_TERMS = ("overhead_s", "per_seq_s")
@@ -228,19 +229,25 @@ def fit_points(m: Measurements, prior: StepCostModel, spec: Any, *,
     target = t["mean_running"].to_numpy()
     base = prior.with_coefficients(**fixed)
 
-    def replay(cost: StepCostModel, rows: np.ndarray) -> np.ndarray:
-        out = np.full(len(t), math.nan)
-        for i in np.flatnonzero(rows):
-            out[i] = simulate(traces[i], t["allocator"].iloc[i], specs[i], cost=cost).summary["mean_running"]
-        return out
+    def replay(cost: StepCostModel, rows: np.ndarray) -> list[Any]:
+        return [simulate(traces[i], t["allocator"].iloc[i], specs[i], cost=cost) if rows[i] else None
+                for i in range(len(t))]
+
+    def running(results: list[Any]) -> np.ndarray:
+        return np.array([r.summary["mean_running"] if r is not None else math.nan for r in results])
 
     def loss(cost: StepCostModel) -> float:
-        return float(np.mean(np.log(replay(cost, train)[train] / target[train]) ** 2))
+        return float(np.mean(np.log(running(replay(cost, train))[train] / target[train]) ** 2))
 
     fitted, evaluations = _fit_by_replay(names, base, loss, max_evaluations, ridge, progress)
-    sim = replay(fitted, np.ones(len(t), dtype=bool))
+    results = replay(fitted, np.ones(len(t), dtype=bool))
+    sim = running(results)
+    trends = [queue_trend(r.timeseries, float(trace.arrival_s[-1])) for r, trace in zip(results, traces, strict=True)]
     rows = t.copy()
     rows["fitted"] = sim
     rows["error"] = sim / target - 1
+    rows["queue_growth"] = [q.growth for q in trends]
+    rows["steady"] = [not q.growing for q in trends]
+    rows["queue"] = [q.describe() for q in trends]
     return FitReport(fitted, names, _errors(sim[train], target[train]),
                      _errors(sim[~train], target[~train]), rows, evaluations)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from fragsim.engine_config import SCHEDULERS
 from fragsim.errors import FragsimError
 
 if sys.version_info >= (3, 11):
@@ -151,6 +152,7 @@ def _points(path: Path, data: dict[str, Any]) -> Measurements:
     if not isinstance(points, list) or not points:
         raise FragsimError(f"{path}: an operating-points file needs [[points]] tables")
     rows = []
+    default_duration = data.get("duration_s")
     for i, point in enumerate(points, 1):
         for key in ("trace", "allocator", "mean_running"):
             if key not in point:
@@ -158,13 +160,38 @@ def _points(path: Path, data: dict[str, Any]) -> Measurements:
         target = point["mean_running"]
         if not (isinstance(target, int | float) and target > 0):
             raise FragsimError(f"{path}: [[points]] #{i}: mean_running = {target!r}; expected > 0")
+        scheduler = point.get("scheduler")
+        if scheduler is not None and scheduler not in SCHEDULERS:
+            raise FragsimError(f"{path}: [[points]] #{i}: scheduler = {scheduler!r}; expected one of "
+                               f"{', '.join(SCHEDULERS)}")
         rows.append({"label": point.get("label", f"point {i}"), "trace": point["trace"],
-                     "rate": point.get("rate"), "allocator": point["allocator"],
-                     "num_requests": int(point.get("num_requests", 1000)),
+                     "rate": point.get("rate"), "allocator": point["allocator"], "scheduler": scheduler,
+                     "num_requests": _num_requests(path, i, point, default_duration),
                      "mean_running": float(target), "held_out": bool(point.get("held_out", False))})
     m = Measurements("points", str(path), pd.DataFrame(rows))
     m.notes = [str(n) for n in data.get("notes", [])]
     return m
+
+
+def _num_requests(path: Path, i: int, point: dict[str, Any], default_duration: Any) -> int:
+    """A point's requests: its ``num_requests``, or its rate times ``duration_s`` (the
+    point's, else the file's): the paper's one-hour traces are ``duration_s = 3600``."""
+    duration = point.get("duration_s", default_duration)
+    if "num_requests" in point:
+        if "duration_s" in point:
+            raise FragsimError(f"{path}: [[points]] #{i}: give num_requests or duration_s, not both")
+        n = point["num_requests"]
+        if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+            raise FragsimError(f"{path}: [[points]] #{i}: num_requests = {n!r}; expected an integer >= 1")
+        return n
+    if duration is None:
+        return 1000
+    rate = point.get("rate")
+    if not (isinstance(duration, int | float) and not isinstance(duration, bool) and duration > 0):
+        raise FragsimError(f"{path}: [[points]] #{i}: duration_s = {duration!r}; expected seconds > 0")
+    if not (isinstance(rate, int | float) and rate > 0):
+        raise FragsimError(f"{path}: [[points]] #{i}: duration_s needs the point's rate (requests/s)")
+    return max(1, round(rate * duration))
 
 
 def load_measurements(path: str | Path) -> tuple[Measurements, dict[str, Any]]:
@@ -206,13 +233,19 @@ def load_measurements(path: str | Path) -> tuple[Measurements, dict[str, Any]]:
 
 
 def point_specs(m: Measurements, spec: Any) -> list[Any]:
-    """The run spec of every operating point: the system's, with the point's workload."""
+    """The run spec of every operating point: the system's, with the point's workload
+    (and its own scheduler, where it names one: Orca's points under ``orca``)."""
     from dataclasses import replace
+
+    def scheduler(row: Any) -> str:
+        own = getattr(row, "scheduler", None)
+        return str(own) if isinstance(own, str) else spec.scheduler
 
     return [replace(spec, trace=row.trace, rate=(None if row.rate is None or
                                                  (isinstance(row.rate, float) and math.isnan(row.rate))
                                                  else float(row.rate)),
-                    num_requests=int(row.num_requests)) for row in m.table.itertuples()]
+                    num_requests=int(row.num_requests), scheduler=scheduler(row))
+            for row in m.table.itertuples()]
 
 
 # ------------------------------------------------------------------ measured attention

@@ -323,3 +323,53 @@ def test_calibrate_reports_the_error_on_another_file(tmp_path: Path,
     assert m.fit is not None
     held = m.fit["evaluated"]["tuesday.csv"]
     assert held["rows"] == 300 and 0.02 < held["mape"] < 0.08   # the other file's own noise
+
+
+def test_a_point_replayed_as_a_transient_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """ShareGPT at 2 req/s under the vllm-paper step costs: past vLLM's capacity, its queue
+    grows for as long as requests arrive, so the mean batch of a short replay is a
+    transient. The command names the point and writes nothing, unless told to."""
+    monkeypatch.setenv("COLUMNS", "200")  # the table's last column whole
+    path = tmp_path / "points.toml"
+    path.write_text('[system]\nmodel = "opt-13b"\ngpu = "a100-40gb"\nmax_seq_len = 2048\n'
+                    'cost_model = "vllm-paper"\n\n'
+                    '[[points]]\nlabel = "ShareGPT 2 req/s"\ntrace = "sharegpt-paper"\nrate = 2.0\n'
+                    'num_requests = 400\nallocator = "vllm"\nmean_running = 30.0\n\n'
+                    '[[points]]\nlabel = "ShareGPT 0.5 req/s"\ntrace = "sharegpt-paper"\nrate = 0.5\n'
+                    'duration_s = 800\nallocator = "vllm"\nmean_running = 8.0\n')
+    m, _ = calibrate.load_measurements(path)
+    assert list(m.table["num_requests"]) == [400, 400]
+    out = tmp_path / "fit.toml"
+    args = ["calibrate", str(path), "--prior", "vllm-paper", "--free", "per_seq_s", "--max-evaluations", "6",
+            "--out", str(out)]
+    assert cli_main(args) != 0
+    captured = capsys.readouterr()
+    assert "1 fitted point(s) replayed as a transient" in captured.err and "ShareGPT 2 req/s." in captured.err
+    assert "growing: +" in captured.out and not out.exists()
+    assert cli_main([*args, "--allow-transient"]) == 0
+    fit = load_cost_model(str(out)).fit
+    assert fit is not None
+    assert [p["steady"] for p in fit["points"].values()] == [False, True]
+
+
+def test_queue_trend_tells_a_growing_queue_from_a_steady_one() -> None:
+    from fragsim.steady import queue_trend
+
+    t = np.arange(0.0, 100.0, 1.0)
+    flat = pd.DataFrame({"time_s": t, "covered_s": 1.0, "waiting": 20 + 3 * np.sin(t)})
+    ramp = pd.DataFrame({"time_s": t, "covered_s": 1.0, "waiting": t})
+    assert not queue_trend(flat, 100.0).growing
+    grow = queue_trend(ramp, 100.0)
+    assert grow.growing and grow.growth == pytest.approx(50.0) and grow.mean_waiting == pytest.approx(74.5)
+
+
+def test_a_points_duration_needs_a_rate(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text('duration_s = 3600\n[[points]]\ntrace = "alpaca-paper"\nallocator = "vllm"\nmean_running = 3\n')
+    with pytest.raises(FragsimError, match=r"#1: duration_s needs the point's rate"):
+        calibrate.load_measurements(path)
+    path.write_text('[[points]]\ntrace = "alpaca-paper"\nrate = 2.0\nduration_s = 10\nnum_requests = 5\n'
+                    'allocator = "vllm"\nmean_running = 3\n')
+    with pytest.raises(FragsimError, match=r"#1: give num_requests or duration_s, not both"):
+        calibrate.load_measurements(path)

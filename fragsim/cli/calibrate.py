@@ -26,7 +26,10 @@ MEASUREMENTS is one of
       requests are replayed through the engine (the options below describe the
       deployment) until each one's TTFT and time per output token match;
   operating points (TOML, [[points]]): the mean batch a system ran at a rate,
-      with the deployment in [system] (experiments/calibration/vllm_paper.toml).
+      with the deployment in [system] (experiments/calibration/vllm_paper.toml);
+      each point replays num_requests requests, or rate x duration_s (3600: a
+      one-hour trace, as the vLLM paper's); a fit is refused when a fitted point's
+      queue is still growing at the end of its replay (--allow-transient).
 
 Coefficients not fitted keep their prior: the roofline's for --model and --gpu
 (or --prior). One row in five is held back, and the error on those rows is
@@ -36,7 +39,7 @@ EPILOG = """\
 examples:
   fragsim calibrate steps.csv --model llama-3.1-8b --gpu h100-80gb --out my-h100.toml
   fragsim calibrate bench.json --model llama-3.1-8b --gpu h100-80gb --max-num-seqs 256
-  fragsim calibrate experiments/calibration/vllm_paper.toml --out fragsim/cost_models/vllm-paper.toml
+  fragsim calibrate experiments/calibration/vllm_paper.toml --out fragsim/cost_models/vllm-paper.toml --allow-transient
 """
 
 
@@ -93,6 +96,10 @@ def register(subparsers: Any) -> None:
     g.add_argument("--kv-slots", type=positive_int, help="KV pool size in tokens")
     g.add_argument("--block-size", type=positive_int, default=16)
     g.add_argument("--max-seq-len", type=positive_int, help="default: the model's context")
+    g.add_argument("--allow-transient", action="store_true",
+                   help="write the fit even when a fitted operating point's queue was still growing at "
+                        "the end of its replay (a transient, not the operating point: give the point "
+                        "more requests, e.g. duration_s = 3600 as the vLLM paper's one-hour traces)")
     g.add_argument("--max-num-seqs", type=positive_int, default=256)
     g.add_argument("--max-num-batched-tokens", type=positive_int)
     p.set_defaults(func=main)
@@ -146,6 +153,19 @@ def _ms(seconds: float) -> str:
     if seconds >= 1e-6:
         return f"{seconds * 1e6:,.4g} µs"
     return f"{seconds * 1e9:,.4g} ns"
+
+
+def _print_points(out: Any, report: Any) -> None:
+    from rich.table import Table
+
+    pts = Table(title="operating points: mean requests running at once", title_justify="left")
+    for col in ("point", "allocator", "requests", "measured", "fitted", "error", "", "at the end"):
+        pts.add_column(col, justify="right" if col in ("requests", "measured", "fitted", "error") else "left")
+    for r in report.rows.itertuples():
+        pts.add_row(str(r.label), str(r.allocator), f"{r.num_requests:,}", f"{r.mean_running:,.2f}",
+                    f"{r.fitted:,.2f}", f"{r.error:+.1%}", "held out" if r.held_out else "fitted",
+                    str(r.queue) if r.steady else f"[red]{r.queue}[/red]")
+    out.print(pts)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -211,19 +231,34 @@ def main(args: argparse.Namespace) -> int:
     }
     if attention is not None:
         fit_info["attention_times"] = {"file": Path(args.attention_times).name, **attention}
+    transient: list[str] = []
     if m.kind == "points":
         fit_info["points"] = {str(r.label): {"measured": float(r.mean_running), "fitted": float(r.fitted),
-                                             "held_out": bool(r.held_out)}
+                                             "held_out": bool(r.held_out), "requests": int(r.num_requests),
+                                             "steady": bool(r.steady)}
                               for r in report.rows.itertuples()}
+        transient = [str(r.label) for r in report.rows.itertuples() if not r.steady and not r.held_out]
     fitted = replace(report.model, name=name, fit=fit_info,
                      model=spec.model if spec is not None else "",
                      gpu=spec.gpu if spec is not None else "", tp=spec.tp if spec is not None else 1,
                      source=str(source or f"fragsim calibrate {Path(args.measurements).name} "
                                           f"({m.kind}, {len(m.table):,} rows)"))
+    out = Console()
+    if transient and not args.allow_transient:
+        _print_points(out, report)
+        from fragsim.errors import FragsimError
+
+        raise FragsimError(f"{len(transient)} fitted point(s) replayed as a transient, their queue still "
+                           f"growing at the end: {'; '.join(transient)}. A fit there depends on the "
+                           "trace's length: give the points more requests (duration_s = 3600, as the "
+                           f"paper's one-hour traces), or --allow-transient to write it anyway; "
+                           f"{out_path} not written")
+    if transient:
+        err.print(f"[bold red]warning: fitted on a transient[/bold red] (--allow-transient): "
+                  f"{'; '.join(transient)}", highlight=False)
     text = fitted.to_toml()
     write_atomically(out_path, lambda f: f.write(text.encode()))
 
-    out = Console()
     table = Table(title=f"{name}: fitted to {m.kind} in {Path(args.measurements).name}", title_justify="left")
     table.add_column("coefficient")
     table.add_column("value", justify="right")
@@ -236,13 +271,7 @@ def main(args: argparse.Namespace) -> int:
         table.add_row(term, _ms(getattr(fitted, term)), how, TERM_HELP[term])
     out.print(table)
     if m.kind == "points":
-        pts = Table(title="operating points: mean requests running at once", title_justify="left")
-        for col in ("point", "allocator", "measured", "fitted", "error", ""):
-            pts.add_column(col, justify="right" if col in ("measured", "fitted", "error") else "left")
-        for r in report.rows.itertuples():
-            pts.add_row(str(r.label), str(r.allocator), f"{r.mean_running:,.2f}", f"{r.fitted:,.2f}",
-                        f"{r.error:+.1%}", "held out" if r.held_out else "fitted")
-        out.print(pts)
+        _print_points(out, report)
     for label, errors in (("fit", report.train_error), ("held back", report.holdout_error)):
         parts = [f"{k} {v:.1%}" if "ape" in k or "error" in k else f"{k} {v:,}"
                  for k, v in errors.items() if v == v]
