@@ -43,7 +43,7 @@ def test_there_is_a_notebook_per_paper_figure_and_seed_case() -> None:
         "fig2_memory_split", "hybrid_managers", "hybrid_prefix_mooncake", "offload_backends",
         "offload_cpu_size", "offload_disk", "offload_sessions", "rate_sweep",
         "seed_capacity_7b", "seed_peak_traffic", "seed_rag_longtail", "seed_underprovision",
-        "sharing_prefix_vmm", "vllm_reports"]
+        "sharing_prefix_vmm", "vllm_fig12_schedulers", "vllm_reports"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -361,10 +361,18 @@ def _lines(spec: FigureSpec, table: pd.DataFrame) -> Figure:
     # One row per y column and one column per panel, or the transpose when there
     # are more y columns than panels, so that the figure stays landscape.
     across = len(spec.y) > len(panels)
-    fig, axes = _grid(len(panels), len(spec.y)) if across else _grid(len(spec.y), len(panels))
+    # One y over many panels: they wrap, three or four to a row.
+    wrap = 3 if len(panels) % 3 == 0 else 4
+    wrapped = len(spec.y) == 1 and len(panels) > 4
+    if wrapped:
+        fig, axes = _grid(-(-len(panels) // wrap), wrap)
+        for ax in axes.flat[len(panels):]:
+            ax.set_visible(False)
+    else:
+        fig, axes = _grid(len(panels), len(spec.y)) if across else _grid(len(spec.y), len(panels))
     for r, y in enumerate(spec.y):
         for c, values in enumerate(panels):
-            ax = axes[c, r] if across else axes[r, c]
+            ax = axes.flat[c] if wrapped else (axes[c, r] if across else axes[r, c])
             sub = _select(table, spec.panels, values)
             for i, g in enumerate(groups):
                 line = sub[sub[spec.group] == g].sort_values(spec.x)
@@ -381,7 +389,7 @@ def _lines(spec: FigureSpec, table: pd.DataFrame) -> Figure:
             else:
                 if r == 0 and spec.panels:
                     ax.set_title(_panel_title(spec.panels, values), fontsize=9)
-                if c == 0:
+                if c % wrap == 0 if wrapped else c == 0:
                     ax.set_ylabel(_label(y), fontsize=9)
             if (c == len(panels) - 1) if across else (r == len(spec.y) - 1):
                 ax.set_xlabel(_label(spec.x), fontsize=9)
