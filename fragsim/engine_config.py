@@ -91,9 +91,10 @@ class EngineConfig:
         """The step's token budget. By default a whole prompt fits one step up to 8,192
         tokens (vLLM without chunking uses max(max_model_len, 2048)); longer prompts
         are chunked rather than making one step of a 128K prompt. The schedulers of the
-        vLLM paper's engine (``vllm-v0``, ``orca``) take vLLM 0.1's 2,560."""
+        vLLM paper's engine (``vllm-v0``, ``orca``) take vLLM 0.1's 2,560, or the context
+        where it is longer (a prompt is never chunked there, so a step must hold one)."""
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         if self.whole_prompts:
-            return VLLM_V0_BATCHED_TOKENS
+            return max(VLLM_V0_BATCHED_TOKENS, self.max_seq_len)
         return min(max(self.max_seq_len, 2048), 8192)

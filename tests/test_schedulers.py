@@ -53,12 +53,15 @@ def test_orca_runs_a_prompt_whole_or_waits() -> None:
 
 
 def test_the_paper_engines_refuse_a_prompt_no_step_can_hold() -> None:
-    """vLLM 0.1 ignores a prompt longer than min(max_model_len, max_num_batched_tokens)."""
+    """vLLM 0.1 ignores a prompt longer than min(max_model_len, max_num_batched_tokens);
+    by default the budget is 2,560 or the context, whichever is more, so none is."""
     tr = trace([0.0, 0.0], [3000, 100], [4, 4])
     for scheduler in ("vllm-v0", "orca"):
-        result = simulate(tr, "vllm", spec(scheduler, max_seq_len=4096), check=True)
+        result = simulate(tr, "vllm", spec(scheduler, max_seq_len=4096, max_num_batched_tokens=2560), check=True)
         assert list(result.requests["refused_reason"]) == ["too_long", ""]
-    assert simulate(tr, "vllm", spec("vllm-v1", max_seq_len=4096)).summary["num_refused"] == 0
+        assert simulate(tr, "vllm", spec(scheduler, max_seq_len=4096), check=True).summary["num_refused"] == 0
+    assert simulate(tr, "vllm", spec("vllm-v1", max_seq_len=4096, max_num_batched_tokens=2560)
+                    ).summary["num_refused"] == 0
 
 
 @pytest.mark.parametrize("scheduler", ["vllm-v0", "orca"])

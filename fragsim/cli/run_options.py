@@ -85,13 +85,13 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=positive_int, default=256,
                    help="most sequences running at once (default 256)")
     g.add_argument("--max-num-batched-tokens", type=positive_int,
-                   help="token budget per step (default max(max-seq-len, 2048), at most 8192; longer prompts are chunked; 2,560 under --scheduler vllm-v0 or orca, whose prompts are never chunked)")
+                   help="token budget per step (default max(max-seq-len, 2048), at most 8192; longer prompts are chunked; under --scheduler vllm-v0 or orca, whose prompts are never chunked, vLLM 0.1's 2,560 or max-seq-len if longer)")
     g.add_argument("--batching", choices=("continuous", "static"), default="continuous",
                    help="iteration-level (Orca/vLLM) or request-level (HF/FasterTransformer) batching")
     g.add_argument("--scheduler", choices=SCHEDULERS, default="vllm-v1",
                    help="how a step is built: vllm-v1 (today's vLLM: chunked prompts share steps with "
                         "decodes), vllm-v0 (vLLM 0.1, the vLLM paper's: whole prompts in prompt-only "
-                        "steps first, else decode-only steps; 2,560 batched tokens by default) or orca "
+                        "steps first, else decode-only steps; 2,560 batched tokens by default, or the context) or orca "
                         "(Orca's iteration-level batching: whole prompts beside decodes); default vllm-v1")
     g.add_argument("--preemption", choices=("recompute", "swap"), default="recompute")
     g.add_argument("--swap-space-gb", type=float, default=4.0, help="CPU swap pool in GiB (default 4)")
