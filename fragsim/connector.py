@@ -24,8 +24,9 @@ idle                         :meth:`~KVConnector.next_done`: when the next trans
 ===========================  ===============================================================
 
 :class:`HeldBlocks` keeps the sequences a connector holds past their request's end,
-and works out what part of the pool only they hold (the split's ``held`` part,
-:class:`fragsim.metrics.Recorder`). :class:`MultiConnector` puts several connectors in
+by request, until it frees them. The engine keeps them too, with their stored length,
+and its KV manager works out what part of the pool only they hold (the split's
+``held`` part, :meth:`KVManager.held_units <fragsim.kv.protocol.KVManager.held_units>`). :class:`MultiConnector` puts several connectors in
 the one slot (a side of a prefill/decode split over an offload tier), as vLLM's does.
 """
 
@@ -82,9 +83,6 @@ class KVConnector(Protocol):
     def finish(self, req: int, now: float) -> None:
         """``req`` finished at ``now``."""
 
-    def held_slots(self, kv: Any, final: Any) -> tuple[int, int]:
-        """(tokens the held sequences store, slots only they hold)."""
-
     def next_done(self) -> float | None:
         """The earliest time a transfer in flight may land (None: none known)."""
 
@@ -113,42 +111,12 @@ class HeldBlocks:
     def hold(self, req: int, seq: int) -> None:
         self.by_req.setdefault(req, []).append(seq)
 
-    def drop(self, req: int, seq: int) -> None:
-        """``seq`` of ``req`` is held no more (freed elsewhere)."""
-        seqs = self.by_req[req]
-        seqs.remove(seq)
-        if not seqs:
-            del self.by_req[req]
-
     def release(self, req: int, free: Callable[[int], Any]) -> bool:
         """Free ``req``'s held sequences; True if it held any."""
         seqs = self.by_req.pop(req, ())
         for seq in seqs:
             free(seq)
         return bool(seqs)
-
-    def slots(self, kv: Any, final: Any) -> tuple[int, int]:
-        """(tokens the held sequences store, slots only they hold). ``final``: each
-        request's final length (a finished sequence has stored all of it)."""
-        held = self.by_req
-        if not held:
-            return 0, 0
-        held_units = getattr(kv, "held_units", None)
-        if held_units is not None:  # a KV manager in bytes works it out
-            return held_units(held, final)  # type: ignore[no-any-return]
-        stored = sum(int(final[req]) * len(seqs) for req, seqs in held.items())
-        alloc = getattr(kv, "alloc", None)
-        if alloc is None or not hasattr(alloc, "ref_cnt"):
-            return stored, stored  # nothing is shared: each held slot is theirs alone
-        holders: dict[int, int] = {}
-        for seqs in held.values():
-            for seq in seqs:
-                for block in alloc.block_table(seq):
-                    holders[block] = holders.get(block, 0) + 1
-        only = sum(1 for block, n in holders.items() if n == alloc.ref_cnt(block))
-        unused = sum(max(0, alloc.num_owned(seq) - int(final[req]))
-                     for req, seqs in held.items() for seq in seqs)
-        return stored, only * alloc.block_size - unused
 
 
 def parts(connector: Any) -> list[Any]:
@@ -167,7 +135,7 @@ class MultiConnector:
     the request, and the others see it with nothing to load, so they still store its
     blocks (a decode instance's tier keeps the KV that arrived). A connector asking
     to skip the request skips it. A finished request's blocks stay until every
-    connector that holds them is done with them; its held part is counted once.
+    connector that holds them is done with them.
     """
 
     def __init__(self, connectors: list[Any]) -> None:
@@ -175,9 +143,7 @@ class MultiConnector:
         self.host_pool = next((c.host_pool for c in connectors if c.host_pool is not None), None)
         self._loader: dict[int, Any] = {}    # req -> the connector that loads it
         self._holders: dict[int, int] = {}   # seq -> connectors still holding it
-        self._held_by: dict[int, int] = {}   # seq -> its request
         self._sent: set[int] = set()         # held seqs a side of a transfer held too
-        self.held = HeldBlocks()
 
     @property
     def busy(self) -> bool:
@@ -225,8 +191,6 @@ class MultiConnector:
                 self._holders[seq] = left
                 return
             del self._holders[seq]
-            self.held.drop(self._held_by[seq], seq)
-            del self._held_by[seq]
             self._sent.discard(seq)
             free(seq)
             freed = True
@@ -251,17 +215,12 @@ class MultiConnector:
         for c in holders:
             c.hold(req, seq)
         self._holders[seq] = len(holders)
-        self._held_by[seq] = req
         if any(getattr(c, "sends_kv", False) for c in holders):
             self._sent.add(seq)
-        self.held.hold(req, seq)
 
     def finish(self, req: int, now: float) -> None:
         for c in self.connectors:
             c.finish(req, now)
-
-    def held_slots(self, kv: Any, final: Any) -> tuple[int, int]:
-        return self.held.slots(kv, final)
 
     def next_done(self) -> float | None:
         return min((t for t in (c.next_done() for c in self.connectors) if t is not None), default=None)
@@ -274,7 +233,7 @@ class MultiConnector:
     def check(self) -> None:
         for c in self.connectors:
             c.check()
-        assert set(self._holders) == {seq for seqs in self.held.by_req.values() for seq in seqs}
+        assert self._sent <= set(self._holders), "a sent copy no connector holds"
 
     def close(self, now: float) -> None:
         for c in self.connectors:

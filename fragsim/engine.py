@@ -307,7 +307,7 @@ class Engine:
         if self.kv.shared_slots:
             stored -= self.duplicate_stored()
         if self.connector is not None:
-            held_stored, self.rec.held = self.connector.held_slots(self.kv, self.requests.final)
+            held_stored, self.rec.held = self.kv.held_units(self.held) if self.held else (0, 0)
             stored += held_stored
         self.kv.record(self.rec, self.now, dt, stored, self, self.num_running(),
                        len(self.waiting) + len(self.swapped))
@@ -410,9 +410,11 @@ class Engine:
             computed = np.concatenate((computed, [p.done for p in self.prefilling], list(self.held.values())))
         return computed.astype(np.int64, copy=False)
 
-    def receiving(self) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, tokens stored) of the requests waiting for KV to arrive."""
-        waiting = [p for p in self.prefilling if p.loading]
+    def receiving(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids, tokens stored) of the requests waiting for KV to arrive; None: none."""
+        waiting = [p for p in self.prefilling if p.loading] if self.connector is not None else None
+        if not waiting:
+            return None
         return (np.array([p.req for p in waiting], dtype=np.int64),
                 np.array([p.done for p in waiting], dtype=np.int64))
 

@@ -128,5 +128,5 @@ def hybrid_split_by_position_check(engine: Any) -> None:
     m = engine.kv.manager
     seqs, computed, receiving = engine.seqs(), engine.computed(), engine.receiving()
     fast = m.split(seqs, computed, receiving)
-    slow = hybrid_split_by_position(m, seqs, computed, set(receiving[0].tolist()))
+    slow = hybrid_split_by_position(m, seqs, computed, set(receiving[0].tolist()) if receiving is not None else ())
     assert (fast == slow).all(), f"split drifted:\n{fast}\n!=\n{slow}"

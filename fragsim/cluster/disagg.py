@@ -274,9 +274,6 @@ class PrefillSide:
             self.link.freed(job, now)
         return [], freed
 
-    def held_slots(self, kv: Any, final: Any) -> tuple[int, int]:
-        return self.held.slots(kv, final)
-
     def next_done(self) -> float | None:
         return _next_done(self.jobs.values())
 
@@ -370,9 +367,6 @@ class DecodeSide:
 
     def finish(self, req: int, now: float) -> None:
         self.now = now
-
-    def held_slots(self, kv: Any, final: Any) -> tuple[int, int]:
-        return 0, 0
 
     def next_done(self) -> float | None:
         return _next_done(self.loading.values())

@@ -100,6 +100,20 @@ class SplitBasis:
             out[2 + 4 * G + len(self.state_groups) + i, i, FREE] = 1
         return out.reshape(len(out), R * C)
 
+    def token_bytes(self, seqs: np.ndarray, computed: np.ndarray) -> int:
+        """Bytes of token states the live sequences ``seqs`` hold with ``computed``
+        stored: per split group the positions read from ``max(s(f), lo·B)`` (a floor
+        ``lo·B`` where no window frees), and each state group's whole state."""
+        if not len(seqs):
+            return 0
+        lo_of = self.state.lo
+        out = 0
+        for s, rule, b, tb, _, _ in self._info:
+            lo = lo_of[s, seqs] * b
+            start = np.maximum(rule.skipped(computed), lo) if rule.frees else lo
+            out += int(np.maximum(computed - start, 0).sum()) * tb
+        return out + len(seqs) * sum(self.groups[i].state_bytes for i in self.state_groups)
+
     def split_of(self, sums: list[int] | np.ndarray) -> np.ndarray:
         """The split ``[..., groups + 1, categories]`` of sums (``[..., sums]``)."""
         sums = np.asarray(sums, dtype=np.int64)
@@ -130,7 +144,7 @@ class SplitBasis:
             if rule.frees and nseq:
                 assert computed is not None
                 start = int(rule.skipped(computed).sum())
-                if receiving is not None and len(receiving[0]):
+                if receiving is not None:
                     seqs, f = receiving
                     lo = st.lo[s, seqs] * b
                     low = np.minimum(lo, f)

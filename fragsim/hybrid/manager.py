@@ -390,16 +390,7 @@ class HybridManager:
     def token_state_bytes(self, seqs: list[int], computed: list[int]) -> int:
         """Bytes of token states the sequences ``seqs`` hold with ``computed`` tokens
         stored (each read again; a state group's whole state)."""
-        if not seqs:
-            return 0
-        st = self.state
-        ids, f = np.asarray(seqs, dtype=np.int64), np.asarray(computed, dtype=np.int64)
-        out = 0
-        for s, rule, b, tb, _, _ in self.basis._info:
-            lo = st.lo[s, ids] * b
-            start = np.maximum(rule.skipped(f), lo) if rule.frees else lo
-            out += int(np.maximum(f - start, 0).sum()) * tb
-        return out + len(seqs) * sum(self.rows[i].state_bytes for i in self.state.state_groups)
+        return self.basis.token_bytes(np.asarray(seqs, dtype=np.int64), np.asarray(computed, dtype=np.int64))
 
     def moved_bytes(self, seq_id: int, first: int, last: int) -> dict[str, int]:
         """The data bytes, per layer kind, of the blocks the sequence holds for positions

@@ -235,6 +235,21 @@ class DenseKV:
         self._refresh()
         return owned
 
+    def held_units(self, held: dict[int, int]) -> tuple[int, int]:
+        """(tokens the sequences ``held`` store, slots only they hold); ``held``: each
+        sequence kept past its request's end, and its stored length."""
+        stored = sum(held.values())
+        alloc: Any = self.alloc  # a paged allocator where blocks are shared
+        if not hasattr(alloc, "ref_cnt"):
+            return stored, stored  # nothing is shared: each held slot is theirs alone
+        holders: dict[int, int] = {}
+        for seq in held:
+            for block in alloc.block_table(seq):
+                holders[block] = holders.get(block, 0) + 1
+        only = sum(1 for block, n in holders.items() if n == alloc.ref_cnt(block))
+        unused = sum(max(0, alloc.num_owned(seq) - n) for seq, n in held.items())
+        return stored, only * alloc.block_size - unused
+
     def stretch(self, rows: Rows, k: int, head_tokens: int | None, stalled: bool) -> StretchMemory:
         """``k`` decode steps of ``rows`` or fewer: paged blocks taken at the steps they
         are needed (a dense stretch frees nothing, so a waiting request stays out)."""

@@ -158,12 +158,10 @@ class HybridKV:
     def current_split(self, live: LiveView) -> np.ndarray:
         return self.manager.split(live.seqs(), live.computed(), live.receiving())
 
-    def held_units(self, held: dict[int, list[int]], final: Any) -> tuple[int, int]:
-        """(tokens the sequences ``held`` (by request) store, bytes of token states only
-        they hold): a finished sequence has stored its final length."""
-        seqs = [seq for seqs in held.values() for seq in seqs]
-        computed = [int(final[req]) for req, seqs in held.items() for _ in seqs]
-        return sum(computed), self.manager.token_state_bytes(seqs, computed)
+    def held_units(self, held: dict[int, int]) -> tuple[int, int]:
+        """(tokens the sequences ``held`` store, bytes of token states only they hold);
+        ``held``: each sequence kept past its request's end, and its stored length."""
+        return sum(held.values()), self.manager.token_state_bytes(list(held), list(held.values()))
 
     def keep(self, seq: int, computed: int) -> None:
         """A finished sequence stays for its KV to be read elsewhere, from ``computed``

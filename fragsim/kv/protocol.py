@@ -91,8 +91,9 @@ class LiveView(Protocol):
     def computed(self) -> np.ndarray:
         """Tokens each has stored, in the order of :meth:`seqs`."""
 
-    def receiving(self) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, tokens stored) of the sequences placed ahead of KV still arriving."""
+    def receiving(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ids, tokens stored) of the sequences placed ahead of KV still arriving;
+        None: none."""
 
 
 class PrefixCache(Protocol):
@@ -141,6 +142,11 @@ class KVManager(Protocol):
         what reading past them needs). None: no room, nothing changed."""
 
     def blocked_by_fragmentation(self, tokens: int) -> bool: ...
+
+    def held_units(self, held: dict[int, int]) -> tuple[int, int]:
+        """(tokens stored, units only they hold) of the sequences kept past their
+        request's end for a connector (``held``: sequence -> stored length): the
+        split's ``held`` part (:class:`fragsim.metrics.Recorder`)."""
 
     def room(self, seq: int) -> int: ...
 

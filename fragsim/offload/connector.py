@@ -312,10 +312,6 @@ class OffloadConnector:
     def swap_in(self, slots: int, now: float) -> None:
         self.cpu.take_back(-(-slots // self.chunk), now)
 
-    def held_slots(self, kv: Any, final: Any) -> tuple[int, int]:
-        """(tokens the held sequences store, slots only they hold)."""
-        return self._held.slots(kv, final)
-
     # -------------------------------------------------------------- transfers
 
     def _link(self) -> simpy.Resource:
