@@ -74,7 +74,7 @@ class CapacityReport:
     num_kv_heads_per_gpu: int
     kv_bytes_per_seq: int               # one max_seq_len sequence, whole model
     gpu_memory_bytes: int               # the total the budget starts from (driver's where known)
-    usable_memory_bytes: int            # floor(memory × utilization)
+    usable_memory_bytes: int            # vLLM's requested memory, ceil(memory × utilization)
     weight_bytes: int                   # whole model
     weight_bytes_per_gpu: int
     activation_bytes: int
@@ -97,11 +97,21 @@ class CapacityReport:
     gpu_memory_from_driver: bool = False   # gpu_memory_bytes is the driver's total, not nvidia-smi's
     # vLLM's hybrid plan (fragsim.vllm_plan.plan_summary): groups, page, blocks.
     vllm: dict[str, Any] | None = None
+    # vLLM's start-up profile (fragsim.vllm_memory): the release whose rules it
+    # follows and the terms beside weights and activations.
+    vllm_version: str = ""
+    max_num_seqs: int = 0
+    non_torch_bytes: int = 0
+    cuda_graph_bytes: int = 0
+    cuda_graph_subtracted: bool = False
+    forward_peak_bytes: int = 0
+    sampler_peak_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["notes"] = list(self.notes)
         out["paged_block_size"] = self.block_size
+        out["activation_peak_bytes"] = self.activation_bytes
         out.update(out.pop("vllm") or {})
         return out
 
@@ -219,6 +229,9 @@ def plan_capacity(
     hybrid_manager: bool | None = None,
     chunked_hybrid: bool = True,
     vllm_block_size: int | None = None,
+    max_num_seqs: int | None = None,
+    vllm_version: str | None = None,
+    enforce_eager: bool = False,
 ) -> CapacityReport:
     """The KV budget and pool of ``model`` on ``gpu``, and what a static allocator of
     ``batch × max_seq_len`` would reserve.
@@ -239,8 +252,14 @@ def plan_capacity(
     (:func:`fragsim.vllm_plan.plan_vllm`): groups, page size, ``num_gpu_blocks`` for
     ``kv_cache_memory_bytes`` (default: the budget above), concurrency and, with
     ``seq_len``, the blocks one sequence holds per group. ``max_num_batched_tokens``
-    defaults to ``vllm serve``'s figure for the card.
+    and ``max_num_seqs`` default to ``vllm serve``'s figures for the card.
+
+    The budget is vLLM's start-up profile of release ``vllm_version`` (default the
+    newest, :mod:`fragsim.vllm_memory`): weights per rank as loaded, the profiling
+    run's activation peak (``activation_bytes`` replaces it when given), non-torch
+    memory and, where the release subtracts it, the CUDA-graph estimate.
     """
+    from fragsim.vllm_memory import DEFAULT_RELEASE, check_release, startup_profile
     from fragsim.vllm_plan import (
         backend_block_size,
         default_max_num_batched_tokens,
@@ -261,22 +280,39 @@ def plan_capacity(
     tokens = (default_max_num_batched_tokens(gpu) if max_num_batched_tokens is None
               else max_num_batched_tokens)
     total = gpu.startup_total_bytes
-    usable, weights, activation, budget = _budget(
-        model, total, tp, gpu_memory_utilization, tokens, activation_bytes
-    )
+    _check_int_option("tp", "--tp", tp, 1)
+    model.kv_heads_per_gpu(tp)  # refuses head counts that do not split
+    _usable_bytes(total, gpu_memory_utilization)  # refuses a bad utilization by name
+    _check_int_option("max_num_batched_tokens", "--max-num-batched-tokens", tokens, 1)
+    if max_num_seqs is not None:
+        _check_int_option("max_num_seqs", "--max-num-seqs", max_num_seqs, 1)
+    if activation_bytes is not None:
+        _check_int_option("activation_bytes", "--activation-bytes", activation_bytes, 0)
+    profile = startup_profile(
+        model, gpu, tp=tp, gpu_memory_utilization=gpu_memory_utilization,
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
+        vllm_version=vllm_version or DEFAULT_RELEASE, enforce_eager=enforce_eager)
+    usable, weights = profile.requested_bytes, profile.weight_bytes
+    activation = profile.activation_peak_bytes if activation_bytes is None else activation_bytes
+    budget = profile.kv_cache_memory_bytes + profile.activation_peak_bytes - activation
     if kv_cache_memory_bytes is not None:
         _check_int_option("kv_cache_memory_bytes", "--kv-cache-memory-bytes",
                           kv_cache_memory_bytes, 1)
     if seq_len is not None:
         _check_int_option("seq_len", "--seq-len", seq_len, 1, max_seq_len)
+    release = check_release(profile.vllm_version)
     plan = plan_vllm(
         model, gpu, max(0, budget) if kv_cache_memory_bytes is None else kv_cache_memory_bytes,
         tp=tp, max_model_len=max_seq_len, prefix_caching=prefix_caching,
-        max_num_batched_tokens=tokens, async_scheduling=async_scheduling,
+        max_num_batched_tokens=tokens,
+        async_scheduling=async_scheduling and release.counts_async_step,
         block_size=vllm_block_size, hybrid_manager=hybrid_manager,
         chunked_hybrid=chunked_hybrid)
     naive_block = vllm_block_size or backend_block_size(model, gpu)
     vllm = plan_summary(plan, model, tp, seq_len, naive_block)
+    if release.tokens_from_blocks and plan.groups:
+        smallest = min(g.page.block_size for g in plan.groups)
+        vllm["kv_cache_tokens"] = plan.num_gpu_blocks // len(plan.groups) * smallest
     per_gpu = model.kv_bytes_per_token_per_gpu(tp)
     kv_heads = model.kv_heads_per_gpu(tp)
     kv_slots = max(0, budget) // per_gpu
@@ -284,8 +320,9 @@ def plan_capacity(
     notes: list[str] = []
     if budget <= 0:
         notes.append(
-            f"weights and activations need {weights + activation:,} B of the {usable:,} B "
-            "usable: no KV cache fits; raise --tp or --gpu-memory-utilization"
+            f"weights, activations and the rest of vLLM's profile need {usable - budget:,} B "
+            f"of the {usable:,} B requested: no KV cache fits; raise --tp or "
+            "--gpu-memory-utilization"
         )
     if max_seq_len > model.max_position_embeddings:
         notes.append(context_note(model, max_seq_len))
@@ -330,4 +367,9 @@ def plan_capacity(
         paged_concurrency_at_avg_len=paged_at_avg, notes=tuple(notes),
         kv_cache_dtype=model.kv_cache_dtype, vllm=vllm,
         gpu_memory_from_driver=gpu.driver_total_bytes is not None,
+        vllm_version=profile.vllm_version, max_num_seqs=profile.max_num_seqs,
+        non_torch_bytes=profile.non_torch_bytes, cuda_graph_bytes=profile.cuda_graph_bytes,
+        cuda_graph_subtracted=profile.cuda_graph_subtracted,
+        forward_peak_bytes=profile.forward_peak_bytes,
+        sampler_peak_bytes=profile.sampler_peak_bytes,
     )

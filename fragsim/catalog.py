@@ -78,7 +78,8 @@ _MODELS = [
 # Memory: nvidia-smi's memory.total. Bandwidth and dense (no 2:4 sparsity) fp16
 # tensor FLOP/s: NVIDIA datasheets. PCIe: one direction of an x16 link (Gen4 32 GB/s,
 # Gen5 64 GB/s, half the datasheets' bidirectional figure); swap moves one way.
-# driver_total_bytes: vLLM's logged total_gpu_memory (CUDA's own total, what
+# sms: streaming multiprocessors (AMD: compute units), from the same datasheets and
+# whitepapers. driver_total_bytes: vLLM's logged total_gpu_memory (CUDA's own total, what
 # `fragsim capacity` budgets from), printed to 0.01 GiB, where a published log of
 # that card gives it; the source says which. Elsewhere none is cited yet and the
 # capacity plan starts from nvidia-smi's figure.
@@ -93,56 +94,58 @@ def _gib_2dp(gib: float) -> int:
 _GPUS = [
     GPUConfig("a100-40gb", 40960 * MiB, 1555e9, 312e12, 32e9,
               source="NVIDIA A100 datasheet (SXM4 40GB): 1,555 GB/s, 312 TFLOPS fp16"
-                     + _NO_DRIVER_TOTAL, arch="sm80"),
+                     + _NO_DRIVER_TOTAL, arch="sm80", sms=108),
     GPUConfig("a100-80gb", 81920 * MiB, 2039e9, 312e12, 32e9,
               source="NVIDIA A100 datasheet (SXM4 80GB): 2,039 GB/s, 312 TFLOPS fp16"
-                     + _NO_DRIVER_TOTAL, arch="sm80"),
+                     + _NO_DRIVER_TOTAL, arch="sm80", sms=108),
     GPUConfig("h100-80gb", 81559 * MiB, 3.35e12, 989.4e12, 64e9,
               source="NVIDIA H100 datasheet (SXM5): 3.35 TB/s, 1,979 TFLOPS fp16 sparse / 2; "
-                     "driver total 79.18 GiB: llm-d-benchmark config_explorer/"
-                     "empirical-vllm-memory-results.md ('H100 GPUs (79.18 GiB total memory)')",
-              arch="sm90", driver_total_bytes=_gib_2dp(79.18)),
+                     "driver total 79.19 GiB: llm-d-planner accuracy/results/v0.19.0 logs "
+                     "(worker init memory snapshot, total_memory=79.19GiB; "
+                     "benchmarks/capacity_logs); 79.18 GiB with an older driver in "
+                     "llm-d-benchmark config_explorer/empirical-vllm-memory-results.md",
+              arch="sm90", sms=132, driver_total_bytes=_gib_2dp(79.19)),
     GPUConfig("h200-141gb", 143771 * MiB, 4.8e12, 989.4e12, 64e9,
               source="NVIDIA H200 datasheet (SXM): 141 GB, 4.8 TB/s, 1,979 TFLOPS fp16 sparse / 2"
-                     + _NO_DRIVER_TOTAL, arch="sm90"),
+                     + _NO_DRIVER_TOTAL, arch="sm90", sms=132),
     # nvidia-smi reports 183,359 MiB of the 192 GB; PCIe Gen5 x16 to the host.
     GPUConfig("b200", 183359 * MiB, 8e12, 2.25e15, 64e9,
               source="NVIDIA HGX B200 datasheet: 180 GB usable HBM3e, 8 TB/s, "
-                     "4.5 PFLOPS fp16 sparse / 2" + _NO_DRIVER_TOTAL, arch="sm100"),
+                     "4.5 PFLOPS fp16 sparse / 2" + _NO_DRIVER_TOTAL, arch="sm100", sms=148),
     # Eight 24 GiB HBM3 stacks; the driver reports the whole 192 GiB.
     GPUConfig("mi300x", 192 * GiB, 5.3e12, 1307.4e12, 64e9,
               source="AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, "
-                     "1,307.4 TFLOPS fp16 dense" + _NO_DRIVER_TOTAL, arch="gfx942"),
+                     "1,307.4 TFLOPS fp16 dense" + _NO_DRIVER_TOTAL, arch="gfx942", sms=304),
     GPUConfig("l4", 23034 * MiB, 300e9, 121e12, 32e9,
               source="NVIDIA L4 datasheet: 24 GB, 300 GB/s, 242 TFLOPS fp16 sparse / 2"
-                     + _NO_DRIVER_TOTAL, arch="sm89"),
+                     + _NO_DRIVER_TOTAL, arch="sm89", sms=58),
     # fp32 accumulation, as PyTorch's fp16 GEMMs use; GeForce runs it at half the
     # fp16-accumulate rate (330 TFLOPS).
     GPUConfig("rtx-4090", 24564 * MiB, 1008e9, 165.2e12, 32e9,
               source="NVIDIA Ada whitepaper (RTX 4090): 1,008 GB/s, 165.2 TFLOPS fp16/fp32-acc"
-                     + _NO_DRIVER_TOTAL, arch="sm89"),
+                     + _NO_DRIVER_TOTAL, arch="sm89", sms=128),
     # Datacenter Ada: full-rate fp32 accumulation. The datasheet's dense figure is
     # 362.05 (not 733 / 2).
     GPUConfig("l40s", 46068 * MiB, 864e9, 362.05e12, 32e9,
               source="NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, 362.05 TFLOPS fp16 dense, "
                      "PCIe Gen4 x16; driver total 44.31 GiB: vLLM issue #15196 log (L40S, "
                      "vLLM 0.7.2), total_gpu_memory (44.31GiB)",
-              arch="sm89", driver_total_bytes=_gib_2dp(44.31)),
+              arch="sm89", sms=142, driver_total_bytes=_gib_2dp(44.31)),
     # AWS's variant of the A10 (G5 instances); NVIDIA publishes no A10G datasheet.
     # Its tensor rate is half the A10's 125 TFLOPS, as GeForce's fp32 accumulation.
     GPUConfig("a10g", 23028 * MiB, 600e9, 70e12, 32e9,
               source="Baseten, 'NVIDIA A10 vs A10G for ML model inference' (spec table: 24 GB "
                      "GDDR6, 600 GB/s, 70 TFLOPS fp16 tensor); PCIe Gen4 x16" + _NO_DRIVER_TOTAL,
-              arch="sm86"),
+              arch="sm86", sms=80),
     GPUConfig("rtx-5090", 32607 * MiB, 1792e9, 209.5e12, 64e9,
               source="NVIDIA RTX Blackwell whitepaper (RTX 5090): 32 GB GDDR7, 1,792 GB/s, "
                      "209.5 TFLOPS fp16/fp32-acc dense, PCIe Gen5 x16" + _NO_DRIVER_TOTAL,
-              arch="sm120"),
+              arch="sm120", sms=170),
     GPUConfig("rtx-3090", 24576 * MiB, 936e9, 71e12, 32e9,
               source="NVIDIA Ampere GA102 whitepaper (RTX 3090): 936 GB/s, 71 TFLOPS "
                      "fp16/fp32-acc dense, PCIe Gen4 x16; driver total 23.58 GiB: vLLM issue "
                      "#10517 log, total_gpu_memory=23.58GiB",
-              arch="sm86", driver_total_bytes=_gib_2dp(23.58)),
+              arch="sm86", sms=82, driver_total_bytes=_gib_2dp(23.58)),
 ]
 
 class Presets(Mapping[str, ModelConfig]):
@@ -228,7 +231,7 @@ def _build(cls: type, table: str, name: str, raw: Any, presets: Mapping[str, Any
             f"{where}: name clashes with a preset; pick another name "
             f'(base = "{name}" starts from the preset)'
         )
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("name", "layers")}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name not in ("name", "layers", "weights")}
     values = dict(raw)
     base_name = values.pop("base", None)
     for key, value in values.items():
@@ -253,7 +256,13 @@ def _build(cls: type, table: str, name: str, raw: Any, presets: Mapping[str, Any
                     f"{where}: key 'base' must name a preset ({', '.join(presets)}), "
                     f"got {base_name!r}"
                 )
-            return dataclasses.replace(presets[base_name.lower()], name=name, **values)
+            # the preset's tensor list describes the preset; new dimensions drop it
+            # (fragsim.weights.groups_of derives a dense one from them)
+            base = presets[base_name.lower()]
+            if cls is ModelConfig and not set(values) <= {"source", "kv_cache_dtype",
+                                                          "max_position_embeddings"}:
+                values["weights"] = ()
+            return dataclasses.replace(base, name=name, **values)
         missing = [k for k, f in fields.items()
                    if k not in values and f.default is dataclasses.MISSING]
         if missing:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fragsim.errors import FragsimError
 from fragsim.layers import ATTENTION_KINDS, LayerSpec, check_layers, full
 from fragsim.layers import kv_dtype_bytes as _kv_dtype_bytes
+from fragsim.weights import WeightGroup
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -58,6 +59,11 @@ class ModelConfig:
     ``checkpoint_bytes`` is the weights' size when it is not ``num_params ×
     dtype_bytes`` (FP8 or MXFP4 checkpoints). ``architecture`` is the config's
     ``architectures[0]``, for the few choices vLLM makes by model class.
+    ``weights`` lists the checkpoint's tensors as vLLM places them under tensor
+    parallelism (:mod:`fragsim.weights`); empty, :func:`fragsim.weights.groups_of`
+    derives a dense decoder's from the dimensions. ``num_experts``,
+    ``experts_per_token`` and ``moe_intermediate_size`` describe a mixture-of-experts
+    MLP (0: dense), which sizes the fused-MoE workspace of a forward pass.
     """
 
     name: str
@@ -77,6 +83,10 @@ class ModelConfig:
     kv_cache_dtype: str = "auto"
     checkpoint_bytes: int | None = None
     architecture: str = ""
+    weights: tuple[WeightGroup, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -208,7 +218,7 @@ class GPUConfig:
     which vLLM logs as ``total_gpu_memory`` and multiplies by
     ``gpu_memory_utilization``; it is a few hundred MiB below nvidia-smi's::
 
-        H100-80GB   nvidia-smi 81,559 MiB (79.65 GiB)   vLLM total_gpu_memory 79.18 GiB
+        H100-80GB   nvidia-smi 81,559 MiB (79.65 GiB)   vLLM total_gpu_memory 79.19 GiB
 
     ``None`` where no published log gives it; :attr:`startup_total_bytes` then
     falls back to ``memory_bytes``. It moves a little with the driver version (an
@@ -216,7 +226,9 @@ class GPUConfig:
 
     ``arch`` (``sm80``, ``sm90``, ``sm100``, ``gfx942``, …) picks the attention
     backends vLLM would run there, which set the default KV block size
-    (:mod:`fragsim.vllm_plan`); empty means vLLM's plain default of 16 tokens."""
+    (:mod:`fragsim.vllm_plan`); empty means vLLM's plain default of 16 tokens.
+    ``sms`` is the count of streaming multiprocessors (compute units), which sizes
+    one buffer of vLLM's sampler (0: unknown, taken as an H100's 132)."""
 
     name: str
     memory_bytes: int
@@ -226,6 +238,7 @@ class GPUConfig:
     source: str = ""
     arch: str = ""
     driver_total_bytes: int | None = None
+    sms: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
@@ -235,6 +248,7 @@ class GPUConfig:
             _check_int(self, "driver_total_bytes", 1, self.memory_bytes)
         for name in ("hbm_bandwidth", "fp16_flops", "pcie_bandwidth"):
             _check_positive(self, name)
+        _check_int(self, "sms", 0)
 
     @property
     def startup_total_bytes(self) -> int:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from fragsim.capacity import kv_budget_slots, plan_capacity
-from fragsim.catalog import GPUS, MODELS
+from fragsim.catalog import GPUS, MODELS, activation_peak_bytes
 from fragsim.cli import main
 from fragsim.errors import FragsimError
 
@@ -43,33 +43,45 @@ def test_seed_static_utilization_and_per_request_kv():
     )
 
 
+def _profile_budget(r):
+    """vLLM's identity: requested − weights − activations − non-torch − graphs (where
+    the release subtracts them)."""
+    graphs = r.cuda_graph_bytes if r.cuda_graph_subtracted else 0
+    return r.usable_memory_bytes - r.weight_bytes_per_gpu - r.activation_bytes - r.non_torch_bytes - graphs
+
+
 def test_opt_13b_on_a100_40gb_matches_the_vllm_paper():
-    """Table 1 of the vLLM paper: 12 GB of KV, 15.7K slots. The defaults give 15,486."""
-    r = plan_capacity(MODELS["opt-13b"], A100_40)
-    assert r.max_seq_len == 2048 and r.max_num_batched_tokens == 2048
-    assert r.usable_memory_bytes == 38_654_705_664          # exactly 36 GiB
-    assert r.weight_bytes_per_gpu == 25_706_946_560
-    assert r.activation_bytes == 261_193_728
-    assert r.kv_budget_bytes == 38_654_705_664 - 25_706_946_560 - 261_193_728 == 12_686_565_376
-    assert r.kv_slots == 12_686_565_376 // 819_200 == 15_486
-    assert r.kv_slots == pytest.approx(15_700, rel=0.02)
-    assert r.num_blocks == 15_486 // 16 == 967
-    assert r.max_concurrency == 15_486 / 2048
-    assert r.static_max_batch == 7
+    """Table 1 of the vLLM paper: 12 GB of KV, 15.7K slots. fragsim run's pool (the
+    paper's arithmetic, no CUDA graphs, no sampler) gives 15,486."""
     assert kv_budget_slots(MODELS["opt-13b"], A100_40) == 15_486
+    assert 15_486 == pytest.approx(15_700, rel=0.02)
+    r = plan_capacity(MODELS["opt-13b"], A100_40)
+    assert r.max_seq_len == 2048 and r.max_num_batched_tokens == 2048 and r.max_num_seqs == 256
+    assert r.usable_memory_bytes == 38_654_705_664          # exactly 36 GiB
+    # 12,853,473,280 parameters × 2 B, and 32 rows of vocabulary padding (50,272 → 50,304)
+    assert r.weight_bytes_per_gpu == 25_706_946_560 + 32 * 5120 * 2
+    assert r.kv_budget_bytes == _profile_budget(r)
+    assert r.kv_slots == r.kv_budget_bytes // 819_200
+    assert r.num_blocks == r.kv_slots // 16
+    assert r.max_concurrency == r.kv_slots / 2048
+    # today's vLLM (0.33) also sets aside its CUDA graphs; 0.19 did not
+    old = plan_capacity(MODELS["opt-13b"], A100_40, vllm_version="0.19")
+    assert not old.cuda_graph_subtracted and r.cuda_graph_subtracted
+    assert old.kv_budget_bytes - r.kv_budget_bytes == r.cuda_graph_bytes > 0
 
 
 def test_tensor_parallel_splits_weights_and_kv_heads():
     model = MODELS["llama-2-70b"]
     r = plan_capacity(model, A100_80, tp=4, batch=8, max_seq_len=4096)
     assert r.kv_bytes_per_token_per_gpu == 327_680 // 4
-    assert r.weight_bytes_per_gpu == 137_953_296_384 // 4
-    activation = r.activation_bytes
-    assert r.kv_budget_bytes == 77_309_411_328 - 137_953_296_384 // 4 - activation
+    # everything but the norms (replicated) and the 32,000-row vocabulary splits 4 ways
+    norms = (2 * 80 + 1) * 8192 * 2
+    assert r.weight_bytes_per_gpu == (137_953_296_384 - norms) // 4 + norms + 4096 * 128 * 2
+    assert r.non_torch_bytes > plan_capacity(model, A100_80, tp=8).non_torch_bytes - 2**30
+    assert r.kv_budget_bytes == _profile_budget(r)
     assert r.kv_slots == r.kv_budget_bytes // 81_920
     assert r.static_kv_bytes == 8 * 4096 * 327_680
     assert r.static_kv_bytes_per_gpu == 8 * 4096 * 81_920
-    assert kv_budget_slots(model, A100_80, tp=4) == r.kv_slots
     replicated = plan_capacity(model, A100_80, tp=16)
     assert replicated.num_kv_heads_per_gpu == 1
     assert any("replicated" in note for note in replicated.notes)
@@ -87,8 +99,9 @@ def test_no_room_for_kv():
 def test_options_change_the_budget_as_stated():
     model = MODELS["llama-2-7b"]
     given = plan_capacity(model, A100_80, activation_bytes=2 * 10**9, gpu_memory_utilization=1)
-    assert not given.activation_estimated
-    assert given.kv_budget_bytes == 80 * 2**30 - 13_476_831_232 - 2 * 10**9
+    assert not given.activation_estimated and given.activation_bytes == 2 * 10**9
+    assert given.usable_memory_bytes == 80 * 2**30
+    assert given.kv_budget_bytes == _profile_budget(given)
     bigger = plan_capacity(model, A100_80, max_num_batched_tokens=8192)
     assert bigger.activation_bytes > plan_capacity(model, A100_80).activation_bytes
     r = plan_capacity(model, A100_80, block_size=32, avg_len=180)
@@ -135,7 +148,11 @@ def test_cli_json_without_batch_has_null_static(capsys):
     assert main(["capacity", "--model", "OPT-13B", "--gpu", "a100-40gb", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["static_kv_bytes"] is None and data["static_fits"] is None
-    assert data["kv_slots"] == 15_486
+    assert data["kv_slots"] == plan_capacity(MODELS["opt-13b"], A100_40).kv_slots
+    for key in ("weight_bytes_per_gpu", "activation_peak_bytes", "non_torch_bytes",
+                "cuda_graph_bytes", "kv_cache_memory_bytes"):
+        assert isinstance(data[key], int)
+    assert data["kv_cache_memory_bytes"] == data["kv_budget_bytes"]
 
 
 def test_cli_table_and_list(capsys):
@@ -152,22 +169,21 @@ def test_cli_table_and_list(capsys):
     assert data["models"]["opt-13b"]["kv_bytes_per_token"] == 819_200
     assert data["gpus"]["a100-40gb"]["memory_bytes"] == 40 * 2**30
     assert data["gpus"]["a100-40gb"]["driver_total_bytes"] is None
-    assert data["gpus"]["h100-80gb"]["driver_total_bytes"] == 81080 * 2**20
+    assert data["gpus"]["h100-80gb"]["driver_total_bytes"] == 81091 * 2**20
 
 
 def test_capacity_starts_from_the_driver_total_and_run_from_nvidia_smis():
-    """vLLM's budget starts from CUDA's total (79.18 GiB on an H100), not nvidia-smi's
+    """vLLM's budget starts from CUDA's total (79.19 GiB on an H100), not nvidia-smi's
     81,559 MiB; fragsim run's pool keeps nvidia-smi's so its references stay put."""
     model, h100 = MODELS["llama-3-8b"], GPUS["h100-80gb"]
     r = plan_capacity(model, h100, max_num_batched_tokens=2048)
-    assert r.gpu_memory_bytes == 81080 * 2**20 and r.gpu_memory_from_driver
-    assert r.usable_memory_bytes == 81080 * 2**20 * 9 // 10 == 76_516_687_872
-    assert r.kv_budget_bytes == 76_516_687_872 - 16_060_522_496 - r.activation_bytes
-    assert r.kv_slots == r.kv_budget_bytes // 131_072
+    assert r.gpu_memory_bytes == 81091 * 2**20 and r.gpu_memory_from_driver
+    # vLLM's requested memory rounds up: ceil(total × 0.9)
+    assert r.usable_memory_bytes == -(-81091 * 2**20 * 9 // 10) == 76_527_068_775
+    assert r.kv_budget_bytes == _profile_budget(r)
     run_slots = kv_budget_slots(model, h100)
-    assert run_slots == (81559 * 2**20 * 9 // 10 - 16_060_522_496 - r.activation_bytes) // 131_072
-    # 479 MiB × 0.9 = 431.1 MiB fewer for the KV cache: 3,448 slots of 128 KiB, give or take the floor
-    assert run_slots - r.kv_slots in (3448, 3449)
+    assert run_slots == (81559 * 2**20 * 9 // 10 - 16_060_522_496
+                         - activation_peak_bytes(model, 2048)) // 131_072
     a100 = plan_capacity(model, A100_80)
     assert a100.gpu_memory_bytes == 80 * 2**30 and not a100.gpu_memory_from_driver
 

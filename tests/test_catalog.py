@@ -95,7 +95,7 @@ def test_gpu_memory_is_what_the_device_reports():
     ("name", "smi_mib", "driver_gib", "bandwidth", "flops", "pcie", "arch"),
     [
         # nvidia-smi's memory.total; vLLM's logged total_gpu_memory, to 0.01 GiB
-        ("h100-80gb", 81559, 79.18, 3.35e12, 989.4e12, 64e9, "sm90"),
+        ("h100-80gb", 81559, 79.19, 3.35e12, 989.4e12, 64e9, "sm90"),
         ("l40s", 46068, 44.31, 864e9, 362.05e12, 32e9, "sm89"),
         ("rtx-3090", 24576, 23.58, 936e9, 71e12, 32e9, "sm86"),
         ("a10g", 23028, None, 600e9, 70e12, 32e9, "sm86"),

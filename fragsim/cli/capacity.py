@@ -30,8 +30,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
     p.add_argument("--gpu", default=DEFAULT_GPU,
                    help="GPU preset or catalog entry (see --list; default: %(default)s, as fragsim run)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default 1)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="F",
                    help="fraction of GPU memory the engine may use, in (0, 1] (default 0.9)")
     p.add_argument("--max-seq-len", type=int, metavar="L",
                    help="longest sequence, prompt + output, in tokens "
@@ -47,6 +47,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="tokens in the largest forward pass: sizes the activation estimate and "
                         "the tokens in flight (default: vllm serve's for the card: 2048 on "
                         "A100s, 8192 on H100/H200, 16384 from 160 GiB)")
+    p.add_argument("--max-num-seqs", type=int, metavar="S",
+                   help="sequences in one batch: sizes the dummy sampling step of vLLM's profile "
+                        "and its CUDA graphs (default: vllm serve's for the card: 1024 from "
+                        "70 GiB except A100s, else 256)")
+    from fragsim.vllm_memory import DEFAULT_RELEASE, RELEASES
+
+    p.add_argument("--vllm-version", default=None, metavar="X.Y",
+                   help=f"whose start-up profile rules to follow: {', '.join(RELEASES)} "
+                        f"(default: {DEFAULT_RELEASE}, or the version a --from-log names)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs, as vllm serve --enforce-eager")
+    p.add_argument("--from-log", metavar="FILE",
+                   help="a real vLLM start-up log: take its settings (tp, utilization, lengths, "
+                        "version) where not given, and show term by term where the "
+                        "prediction differs from what it printed")
     p.add_argument("--activation-bytes", type=int, metavar="N",
                    help="use this measured activation peak instead of the estimate")
     p.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
@@ -92,7 +107,8 @@ def _byte_cells(n: int | None) -> tuple[str, str, str]:
 
 def _catalog_dump(models: dict[str, Any], gpus: dict[str, Any]) -> dict[str, Any]:
     return {
-        "models": {n: {**dataclasses.asdict(m), "kv_bytes_per_token": m.kv_bytes_per_token,
+        "models": {n: {**{k: v for k, v in dataclasses.asdict(m).items() if k != "weights"},
+                       "kv_bytes_per_token": m.kv_bytes_per_token,
                        "weight_bytes": m.weight_bytes} for n, m in models.items()},
         "gpus": {n: dataclasses.asdict(g) for n, g in gpus.items()},
     }
@@ -148,11 +164,16 @@ def _print_report(console: Any, r: Any, model: Any) -> None:
     t.add_section()
     row("GPU memory (driver total)" if r.gpu_memory_from_driver else "GPU memory (nvidia-smi)",
         r.gpu_memory_bytes)
-    row(f"× utilization {r.gpu_memory_utilization:g}", r.usable_memory_bytes)
+    row(f"× utilization {r.gpu_memory_utilization:g} (requested)", r.usable_memory_bytes)
     row("− weights per GPU", r.weight_bytes_per_gpu)
-    how = f"estimate, {r.max_num_batched_tokens} tokens" if r.activation_estimated else "given"
-    row(f"− activation peak ({how})", r.activation_bytes)
-    row("= KV budget per GPU", r.kv_budget_bytes)
+    how = (f"profile run: {r.max_num_batched_tokens:,} tokens, {r.max_num_seqs:,} sequences"
+           if r.activation_estimated else "given")
+    row(f"− torch activation peak ({how})", r.activation_bytes)
+    row("− non-torch memory" + (" (communicators at tp > 1)" if r.tp > 1 else ""),
+        r.non_torch_bytes)
+    if r.cuda_graph_subtracted:
+        row("− CUDA graphs (estimated)", r.cuda_graph_bytes)
+    row(f"= available KV cache memory (vLLM {r.vllm_version})", r.kv_budget_bytes)
     t.add_section()
     t.add_row("KV slots", f"{r.kv_slots:,}", "", "")
     t.add_row(f"blocks of {r.block_size}", f"{r.num_blocks:,}", "", "")
@@ -242,6 +263,83 @@ def _print_plan(console: Any, d: dict[str, Any], model: Any) -> None:
         console.print(f"note: {note}", highlight=False, soft_wrap=True)
 
 
+def _print_log(console: Any, r: Any, d: dict[str, Any]) -> None:
+    """The lines vLLM would print at start-up, with its own rounding."""
+    from fragsim.vllm_memory import predicted_log
+
+    console.print(f"vLLM {r.vllm_version} start-up log, predicted (times left out):", highlight=False)
+    for line in predicted_log(r, d):
+        console.print(f"  {line}", highlight=False, soft_wrap=True)
+
+
+def _print_comparison(console: Any, rows: list[tuple[str, str, str, str]], where: str) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"fragsim against {where}")
+    for col in ("term", "fragsim", "log", "difference"):
+        t.add_column(col, justify="left" if col == "term" else "right")
+    for row in rows:
+        t.add_row(*row)
+    console.print(t)
+
+
+def _preset_for(hub_id: str) -> str | None:
+    """The preset a logged model id names: its hub name, or that name with an
+    instruction-tuned suffix (not a quantized variant, which is another checkpoint)."""
+    from fragsim.presets import COPIED, PUBLISHED
+
+    hubs = {**{k: v for k, v in PUBLISHED.items()},
+            **{k: src.split("huggingface.co/")[-1].split("/blob")[0] for k, (_, src) in COPIED.items()}}
+    name = hub_id.rstrip("/").split("/")[-1].lower()
+    for preset, hub in sorted(hubs.items(), key=lambda kv: -len(kv[1])):
+        base = hub.split("/")[-1].lower()
+        if name == base or (name.startswith(base) and name[len(base):] in
+                            ("-instruct", "-it", "-chat", "-hf", "-base")):
+            return preset
+    return None
+
+
+def _log_settings(args: argparse.Namespace) -> tuple[Any, str]:
+    """Read ``--from-log`` and fill the options it sets that the command line left out."""
+    from pathlib import Path
+
+    from fragsim.vllm_log import read_log
+
+    path = Path(args.from_log)
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise FragsimError(f"cannot read log {args.from_log!r}: {exc.strerror}") from None
+    logged = read_log(text)
+    if logged.kv_cache_gib is None and logged.kv_cache_tokens is None:
+        raise FragsimError(f"{args.from_log}: not a vLLM start-up log: no 'Available KV cache "
+                           "memory' nor 'GPU KV cache size' line found")
+    s = logged.settings
+    fill = {"tp": "tensor_parallel_size", "max_seq_len": "max_model_len",
+            "max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens"}
+    for option, key in fill.items():
+        if getattr(args, option) is None and key in s:
+            setattr(args, option, int(s[key]))
+    if args.gpu_memory_utilization is None and "gpu_memory_utilization" in s:
+        args.gpu_memory_utilization = float(s["gpu_memory_utilization"])
+    if args.kv_cache_dtype == "auto" and s.get("kv_cache_dtype", "auto") != "auto":
+        args.kv_cache_dtype = s["kv_cache_dtype"]
+    if not args.enforce_eager and s.get("enforce_eager") is True:
+        args.enforce_eager = True
+    if args.vllm_version is None and "vllm_version" in s:
+        from fragsim.vllm_memory import nearest_release
+
+        args.vllm_version = nearest_release(str(s["vllm_version"]))
+    if not args.model:
+        named = str(s.get("model", ""))
+        match = _preset_for(named)
+        if not match:
+            raise FragsimError(f"{args.from_log}: the log's model is {named or 'not named'}; "
+                               "give --model (a preset or the model's config.json)")
+        args.model = match
+    return logged, str(path)
+
+
 def main(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -258,6 +356,13 @@ def main(args: argparse.Namespace) -> int:
         else:
             _print_list(console, models, gpus)
         return 0
+    logged = where = None
+    if args.from_log:
+        logged, where = _log_settings(args)
+    if args.gpu_memory_utilization is None:
+        args.gpu_memory_utilization = 0.9
+    if args.tp is None:
+        args.tp = 1
     if not args.model:
         raise FragsimError("--model is required (--list shows the choices)")
     model = with_kv_cache_dtype(get_model(args.model, args.catalog), args.kv_cache_dtype)
@@ -271,10 +376,31 @@ def main(args: argparse.Namespace) -> int:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes, prefix_caching=args.prefix_caching,
         seq_len=args.seq_len, async_scheduling=args.async_scheduling,
         chunked_hybrid=args.hybrid_chunked, vllm_block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, vllm_version=args.vllm_version,
+        enforce_eager=args.enforce_eager,
     )
+    data = report.to_dict()
+    rows = None
+    if logged is not None:
+        from fragsim.vllm_memory import compare_with_log
+
+        rows, checks = compare_with_log(report, data, logged, model, gpu, plan_kwargs={
+            "tp": args.tp, "max_seq_len": report.max_seq_len,
+            "max_num_batched_tokens": report.max_num_batched_tokens,
+            "prefix_caching": args.prefix_caching, "async_scheduling": args.async_scheduling,
+            "chunked_hybrid": args.hybrid_chunked, "vllm_block_size": args.block_size,
+            "max_num_seqs": report.max_num_seqs, "vllm_version": report.vllm_version,
+            "gpu_memory_utilization": args.gpu_memory_utilization})
+        data["from_log"] = {"path": where, "logged": logged.figures(), "settings": logged.settings,
+                            "checks": checks}
     if args.json:
-        print(json.dumps(report.to_dict()))
-    else:
-        _print_report(console, report, model)
-        _print_plan(console, report.to_dict(), model)
+        print(json.dumps(data))
+        return 0
+    _print_report(console, report, model)
+    _print_plan(console, data, model)
+    _print_log(console, report, data)
+    if rows is not None:
+        _print_comparison(console, rows, where or "")
+        for line in data["from_log"]["checks"]:
+            console.print(line, highlight=False, soft_wrap=True)
     return 0
