@@ -192,3 +192,15 @@ def test_predicted_log_lines_follow_each_release():
         lines = predicted_log(r, r.vllm)
         size = [x for x in lines if x.startswith("GPU KV cache size")]
         assert len(size) == 1 and ("Maximum concurrency" in size[0]) == joined
+
+
+def test_online_fp8_quantization_halves_the_linear_layers(capsys):
+    base = ["capacity", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--json"]
+    assert main(base) == 0
+    bf16 = json.loads(capsys.readouterr().out)["weight_bytes_per_gpu"]
+    assert main([*base, "--quantization", "fp8"]) == 0
+    fp8 = json.loads(capsys.readouterr().out)["weight_bytes_per_gpu"]
+    # vLLM 0.19 logged 8.49 GiB for Llama-3.1-8B with --quantization fp8 (14.99 without)
+    assert round(fp8 / GiB, 2) == 8.49 and bf16 > fp8
+    assert main([*base, "--quantization", "awq"]) == 2
+    assert "quantization (--quantization) must be fp8" in capsys.readouterr().err

@@ -56,6 +56,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--vllm-version", default=None, metavar="X.Y",
                    help=f"whose start-up profile rules to follow: {', '.join(RELEASES)} "
                         f"(default: {DEFAULT_RELEASE}, or the version a --from-log names)")
+    p.add_argument("--quantization", default=None, metavar="METHOD",
+                   help="quantize an unquantized checkpoint on load, as vllm serve --quantization "
+                        "fp8 does (linear layers in one byte); a quantized checkpoint keeps its own "
+                        "format")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs, as vllm serve --enforce-eager")
     p.add_argument("--from-log", metavar="FILE",
@@ -324,6 +328,8 @@ def _log_settings(args: argparse.Namespace) -> tuple[Any, str]:
         args.gpu_memory_utilization = float(s["gpu_memory_utilization"])
     if args.kv_cache_dtype == "auto" and s.get("kv_cache_dtype", "auto") != "auto":
         args.kv_cache_dtype = s["kv_cache_dtype"]
+    if args.quantization is None and s.get("quantization") not in (None, "None"):
+        args.quantization = str(s["quantization"])
     if not args.enforce_eager and s.get("enforce_eager") is True:
         args.enforce_eager = True
     if args.vllm_version is None and "vllm_version" in s:
@@ -365,7 +371,10 @@ def main(args: argparse.Namespace) -> int:
         args.tp = 1
     if not args.model:
         raise FragsimError("--model is required (--list shows the choices)")
+    from fragsim.weights import with_online_quantization
+
     model = with_kv_cache_dtype(get_model(args.model, args.catalog), args.kv_cache_dtype)
+    model = with_online_quantization(model, args.quantization)
     gpu = get_gpu(args.gpu, args.catalog)
     report = plan_capacity(
         model, gpu, tp=args.tp, gpu_memory_utilization=args.gpu_memory_utilization,
