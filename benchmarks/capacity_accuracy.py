@@ -118,11 +118,8 @@ def evaluate(entry: dict[str, Any], models: dict[str, Any]) -> dict[str, Any] | 
     )
     try:
         r = plan_capacity(model, gpu, **kwargs)
-        given = plan_capacity(model, gpu, kv_cache_memory_bytes=round(logged.kv_cache_gib * GiB),
-                              **kwargs)
     except Exception as exc:  # noqa: BLE001 - a log fragsim cannot plan is reported, not fatal
         return f"not planned: {exc}"
-    assert r.vllm is not None and given.vllm is not None
     out: dict[str, Any] = {"id": entry["id"], "model": hub, "gpu": gpu_name, "tp": kwargs["tp"],
                            "release": release, "version": version, "modelled": _modelled(version), "hybrid": model.is_hybrid,
                            "moe": bool(model.num_experts), "source": entry.get("source", "")}
@@ -134,20 +131,18 @@ def evaluate(entry: dict[str, Any], models: dict[str, Any]) -> dict[str, Any] | 
         out[term] = None if theirs is None else {
             "fragsim_gib": ours / GiB, "log_gib": theirs,
             "error_pct": 100 * (ours / GiB - theirs) / theirs if theirs else None}
-    # vLLM's block arithmetic from the log's own available memory (± its rounding)
+    # vLLM's block arithmetic from the log's own available memory, across its rounding
+    span = [plan_capacity(model, gpu, kv_cache_memory_bytes=math.floor(
+        (logged.kv_cache_gib + d) * GiB), **kwargs).vllm for d in (-0.005, 0.005)]
+    lo, hi = span  # type: ignore[misc]
     if logged.kv_cache_tokens is not None:
-        span = [plan_capacity(model, gpu, kv_cache_memory_bytes=math.floor(
-            (logged.kv_cache_gib + d) * GiB), **kwargs).vllm for d in (-0.005, 0.005)]
-        lo, hi = span[0]["kv_cache_tokens"], span[1]["kv_cache_tokens"]  # type: ignore[index]
-        out["tokens"] = {"log": logged.kv_cache_tokens, "range": [lo, hi],
-                         "exact": lo <= logged.kv_cache_tokens <= hi}
+        out["tokens"] = {"log": logged.kv_cache_tokens,
+                         "range": [lo["kv_cache_tokens"], hi["kv_cache_tokens"]],
+                         "exact": lo["kv_cache_tokens"] <= logged.kv_cache_tokens <= hi["kv_cache_tokens"]}
     if logged.concurrency is not None:
-        c_lo = span[0]["max_concurrency"] if logged.kv_cache_tokens is not None else None  # type: ignore[index]
-        c_hi = span[1]["max_concurrency"] if logged.kv_cache_tokens is not None else None  # type: ignore[index]
-        c = given.vllm["max_concurrency"]
-        out["concurrency"] = {"log": logged.concurrency, "fragsim": c,
-                              "exact": (c_lo is not None and round(c_lo, 2) - 0.005 <= logged.concurrency
-                                        <= round(c_hi, 2) + 0.005) or abs(c - logged.concurrency) < 0.006}
+        low, high = round(lo["max_concurrency"], 2), round(hi["max_concurrency"], 2)
+        out["concurrency"] = {"log": logged.concurrency, "range": [low, high],
+                              "exact": low <= logged.concurrency <= high}
     return out
 
 

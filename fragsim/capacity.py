@@ -1,11 +1,17 @@
 """Capacity planning: how many KV slots a model leaves on a GPU, and what a static
 max-length reservation costs. Pure arithmetic; the CLI prints it.
 
-The budget is vLLM's, per GPU::
+``fragsim capacity`` (:func:`plan_capacity`) budgets as vLLM does at start-up, term
+by term (:mod:`fragsim.vllm_memory`)::
 
-    kv_budget_bytes = total × gpu_memory_utilization − weight_bytes / tp − activation peak
+    kv_budget_bytes = ceil(total × gpu_memory_utilization) − weights per rank
+                      − activation peak − non-torch − CUDA graphs (0.33)
     kv_slots        = kv_budget_bytes // kv_bytes_per_token_per_gpu
     num_blocks      = kv_slots // block_size
+
+``fragsim run``'s pool (:func:`kv_budget_slots`, :func:`kv_budget_bytes`) keeps the
+plain arithmetic it was written with, ``total × utilization − weight_bytes / tp −
+activation estimate``, so that committed reference results stay as they were.
 
 Under tensor parallelism every GPU holds ``1/tp`` of the weights and ``1/tp`` of each
 token's KV heads, so a slot costs each GPU ``kv_bytes_per_token / tp`` and the pool

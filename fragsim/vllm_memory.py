@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from fragsim.configs import GiB, GPUConfig, MiB, ModelConfig
@@ -220,7 +221,6 @@ def startup_profile(model: ModelConfig, gpu: GPUConfig, *, tp: int = 1,
         raise FragsimError(f"max_num_seqs (--max-num-seqs) must be an integer >= 1, got {seqs!r}")
     total = gpu.startup_total_bytes
     if requested_bytes is None:
-        from fractions import Fraction
         requested_bytes = math.ceil(total * Fraction(repr(float(gpu_memory_utilization))))
     weights = weight_bytes_per_rank(model, tp)
     forward = forward_peak_bytes(model, max_num_batched_tokens, tp)
@@ -289,13 +289,16 @@ def predicted_log(report: Any, plan: dict[str, Any]) -> list[str]:
 
 
 def _difference(ours: float, theirs: float | None, gib: bool = True) -> tuple[str, str, str]:
+    """(fragsim, log, difference) cells: GiB to two places, counts as they are."""
+    def show(x: float, sign: str = "") -> str:
+        if gib:
+            return f"{x:{sign}.2f} GiB"
+        return f"{x:{sign},}" if float(x).is_integer() else f"{x:{sign},.2f}"
     if theirs is None:
-        return (f"{ours:.2f} GiB" if gib else f"{ours:,.2f}", "-", "")
+        return show(ours), "-", ""
     delta = ours - theirs
     pct = f" ({100 * delta / theirs:+.1f}%)" if theirs else ""
-    if gib:
-        return f"{ours:.2f} GiB", f"{theirs:.2f} GiB", f"{delta:+.2f} GiB{pct}"
-    return f"{ours:,.2f}", f"{theirs:,.2f}", f"{delta:+,.2f}{pct}"
+    return show(ours), show(theirs), show(delta, "+") + pct
 
 
 def compare_with_log(report: Any, plan: dict[str, Any], logged: Any, model: ModelConfig,

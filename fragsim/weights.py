@@ -239,7 +239,9 @@ def groups_of(model: Any) -> tuple[WeightGroup, ...]:
     :mod:`fragsim.catalog`, a catalog TOML's models)."""
     if model.weights:
         return tuple(model.weights)
-    tied = model.architecture.startswith("OPT") or model.name.startswith("opt")
+    # the written-out presets with a plain MLP are OPT: tied embeddings, learned
+    # positions (counted in num_params), no rotary cache
+    tied = model.architecture.startswith("OPT") or not model.gated_mlp
     groups = dense_groups(
         num_layers=model.num_layers, hidden=model.hidden_size, heads=model.num_heads,
         kv_heads=model.num_kv_heads, head_dim=model.head_dim,
