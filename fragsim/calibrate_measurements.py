@@ -24,6 +24,7 @@ import pandas as pd
 
 from fragsim.engine_config import SCHEDULERS
 from fragsim.errors import FragsimError
+from fragsim.steady import requests_over
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -191,7 +192,7 @@ def _num_requests(path: Path, i: int, point: dict[str, Any], default_duration: A
         raise FragsimError(f"{path}: [[points]] #{i}: duration_s = {duration!r}; expected seconds > 0")
     if not (isinstance(rate, int | float) and rate > 0):
         raise FragsimError(f"{path}: [[points]] #{i}: duration_s needs the point's rate (requests/s)")
-    return max(1, round(rate * duration))
+    return requests_over(rate, duration)
 
 
 def load_measurements(path: str | Path) -> tuple[Measurements, dict[str, Any]]:

@@ -44,6 +44,13 @@ class QueueTrend:
         return "steady"
 
 
+def requests_over(rate: float, duration_s: float) -> int:
+    """Requests that ``duration_s`` seconds of arrivals at ``rate`` requests/s make: how
+    studies and calibration files replay a trace of a given length (the paper's one-hour
+    traces are ``duration_s = 3600``)."""
+    return max(1, round(rate * duration_s))
+
+
 def queue_trend(timeseries: pd.DataFrame, last_arrival_s: float) -> QueueTrend:
     """The waiting queue's trend over the second half of ``[start, last_arrival_s]``
     (``timeseries``: a run's buckets, with ``time_s``, ``covered_s`` and ``waiting``)."""

@@ -87,6 +87,36 @@ def test_scale_shrinks_requests_to_a_floor_and_changes_the_ids(tmp_path: Path) -
     assert (scaled(20, 0.1, 32), scaled(1000, 0.05, 50), scaled(1000, 1.0, 50)) == (20, 50, 1000)
 
 
+def test_duration_replays_rate_times_seconds_and_scales_like_a_count(tmp_path: Path) -> None:
+    study = load_study(write(tmp_path, BASE.replace('trace = "azure-conv"', 'trace = "sharegpt-paper"') + """
+[[cases]]
+label = "one hour"
+duration_s = 3600
+[cases.sweep]
+rate = [0.5, 2.0]
+
+[[cases]]
+label = "counted"
+rate = 2.0
+"""))
+    runs = expand(study)
+    assert [(r.case, r.spec.rate, r.spec.num_requests) for r in runs[::2]] == [
+        ("one hour", 0.5, 1800), ("one hour", 2.0, 7200), ("counted", 2.0, 40)]
+    assert runs[0].columns["duration_s"] == 3600.0 and "duration_s" not in runs[-1].columns
+    assert [r.spec.num_requests for r in expand(study, scale=0.1)][::2] == [180, 720, 40]
+
+
+@pytest.mark.parametrize(("patch", "message"), [
+    ("duration_s = 60\n", r"\[fixed\] duration_s: set together with num_requests; give one"),
+    ("[[cases]]\nlabel = 'a'\nduration_s = 0\nrate = 1.0\n", r"duration_s: expected seconds > 0, got 0"),
+    ("[[cases]]\nlabel = 'a'\nduration_s = 60\n", r"\[\[cases\]\] 'a' duration_s: needs a rate"),
+])
+def test_duration_errors_name_the_key(tmp_path: Path, patch: str, message: str) -> None:
+    text = BASE + patch if patch.startswith("[") else BASE.replace("num_requests = 40\n", "num_requests = 40\n" + patch)
+    with pytest.raises(FragsimError, match=message):
+        load_study(write(tmp_path, text))
+
+
 def test_shared_traces_expand_from_option_or_env_but_ids_do_not_move(
         tmp_path: Path, shared_traces: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     study = load_study(write(tmp_path, BASE.replace(

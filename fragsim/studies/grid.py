@@ -29,6 +29,7 @@ from typing import Any
 
 from fragsim.errors import FragsimError
 from fragsim.simulate import RunSpec
+from fragsim.steady import requests_over
 from fragsim.studies.schema import Case, Study, case_workload, column_name
 
 GRID_VERSION = 1
@@ -86,6 +87,9 @@ def _point_runs(study: Study, case: Case | None, values: Mapping[str, Any], scal
             workload[key.split(".", 1)[1]] = value
         else:
             params[key] = value
+    duration = params.pop("duration_s", None)
+    if duration is not None:
+        params["num_requests"] = requests_over(params["rate"], duration)
     if workload is not None:
         params["trace"] = f"generated:{workload['kind']}"
         params.setdefault("num_requests", 1000)
@@ -96,6 +100,8 @@ def _point_runs(study: Study, case: Case | None, values: Mapping[str, Any], scal
     identity = {"spec": spec.to_dict(), "workload": workload, "case": label, "v": GRID_VERSION}
     point_id = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
     columns = _columns(study.name, label, point_id, spec, workload)
+    if duration is not None:
+        columns["duration_s"] = duration
     run_spec = dataclasses.replace(spec, trace=expand_trace(study, spec.trace, traces_dir))
     allocators = (case.allocators if case and case.allocators else None) or study.allocators
     return [Run(f"{point_id}-{name}", point_id, label, name, run_spec, workload, columns,

@@ -11,8 +11,10 @@ consistent file; every table but ``[study]`` is optional)::
     timeseries = false            # keep each run's time series (timeseries.parquet)
     min_requests = 50             # --scale never takes a point below this many requests
 
-    [fixed]                       # any fragsim.simulate.RunSpec field
+    [fixed]                       # any fragsim.simulate.RunSpec field, or duration_s
     model = "opt-13b"
+    duration_s = 3600             # rate × 3600 s of arrivals a point, in place of
+                                  # num_requests (needs a rate; scaled by --scale too)
     trace = "azure-conv"          # bundled trace, workload name, file path (relative to
                                   # the current folder) or "${SHARED_TRACES}/file.csv"
 
@@ -71,6 +73,7 @@ from fragsim.studies.schema_tables import (  # noqa: F401
 )
 from fragsim.studies.schema_values import (  # noqa: F401
     CHOICES,
+    PARAM_TYPES,
     SPEC_TYPES,
     SWEEPABLE,
     Where,

@@ -121,6 +121,9 @@ def _check_trace_source(where: Where, study: Study) -> None:
         params = {**study.fixed, **(case.params if case else {})}
         axes = {**study.sweep, **(case.sweep if case else {})}
         has_trace = "trace" in params or "trace" in axes
+        if ("duration_s" in params or "duration_s" in axes) and not ("rate" in params or "rate" in axes):
+            raise where.error(table, "duration_s", "needs a rate (requests/s): a point replays "
+                              "rate × duration_s requests; without one, give num_requests")
         workload = case_workload(study, case)
         if has_trace and workload is not None:
             raise where.error(table, "trace", "set together with [workload]; keep one")

@@ -25,7 +25,11 @@ from fragsim.simulate import RunSpec
 SPEC_TYPES: dict[str, Any] = {
     name: hint for name, hint in typing.get_type_hints(RunSpec).items() if name != "seed"
 }
-SWEEPABLE = {**SPEC_TYPES, "seed": int}
+#: a study's own parameters beside RunSpec's: ``duration_s`` replays rate × duration_s
+#: requests (:func:`fragsim.steady.requests_over`) in place of ``num_requests``
+STUDY_PARAMS: dict[str, Any] = {"duration_s": float}
+PARAM_TYPES = {**SPEC_TYPES, **STUDY_PARAMS}
+SWEEPABLE = {**PARAM_TYPES, "seed": int}
 
 #: RunSpec string fields with a closed set of values, checked before anything runs
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -135,14 +139,16 @@ def _type_name(kind: Any) -> str:
 
 def spec_param(where: Where, table: str, key: str, value: Any, allow_seed: bool = False) -> Any:
     """One RunSpec value, checked against the field's type and its allowed values."""
-    kind = (SWEEPABLE if allow_seed else SPEC_TYPES).get(key)
+    kind = (SWEEPABLE if allow_seed else PARAM_TYPES).get(key)
     if kind is None:
         if key == "seed":
             raise where.error(table, key, "set the seed in [study] (or sweep it in [sweep])")
-        raise where.error(table, key, "unknown parameter; allowed: any RunSpec field "
+        raise where.error(table, key, "unknown parameter; allowed: duration_s or any RunSpec field "
                           f"({', '.join(sorted(SPEC_TYPES))})")
     if not _is_a(value, kind):
         raise where.error(table, key, f"expected {_type_name(kind)}, got {value!r}")
+    if key == "duration_s" and not value > 0:
+        raise where.error(table, key, f"expected seconds > 0, got {value!r}")
     if key in CHOICES and value is not None and value not in CHOICES[key]:
         raise where.error(table, key, f"expected one of {', '.join(CHOICES[key])}, got {value!r}")
     if isinstance(value, list):
@@ -153,11 +159,21 @@ def spec_param(where: Where, table: str, key: str, value: Any, allow_seed: bool 
 
 
 def _params(where: Where, table: str, values: Mapping[str, Any]) -> dict[str, Any]:
+    _one_length(where, table, values)
     return {k: spec_param(where, table, k, v) for k, v in values.items()}
+
+
+def _one_length(where: Where, table: str, values: Mapping[str, Any]) -> None:
+    """A table gives a point's length as ``num_requests`` or ``duration_s``, not both (a
+    more specific table may give the other: a case's ``duration_s`` over [fixed]'s count)."""
+    if "num_requests" in values and "duration_s" in values:
+        raise where.error(table, "duration_s", "set together with num_requests; give one "
+                          "(duration_s replays rate × duration_s requests)")
 
 
 def _axes(where: Where, table: str, values: Mapping[str, Any]) -> dict[str, tuple[Any, ...]]:
     """Sweep axes: every value a non-empty list; workload parameters as ``workload.x``."""
+    _one_length(where, table, values)
     axes: dict[str, tuple[Any, ...]] = {}
     for key, value in values.items():
         if key == "workload" and isinstance(value, dict):
