@@ -64,7 +64,7 @@ def _read_cost_model(path: Path) -> StepCostModel:
 
 def preset_for(model: str, gpu: str, tp: int) -> str | None:
     """The bundled fitted preset for this model, GPU and tp, if there is one (the first
-    by name where several are: ``vllm-paper`` before ``vllm-paper-v0``)."""
+    by name where several are: ``vllm-paper`` before ``vllm-paper-transient``)."""
     for name in COST_MODEL_PRESETS:
         cm = load_cost_model(name)
         if (cm.model, cm.gpu, cm.tp) == (model, gpu, tp):

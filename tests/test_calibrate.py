@@ -327,13 +327,13 @@ def test_calibrate_reports_the_error_on_another_file(tmp_path: Path,
 
 def test_a_point_replayed_as_a_transient_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """ShareGPT at 2 req/s under the vllm-paper step costs: past vLLM's capacity, its queue
+    """ShareGPT at 2 req/s under the vllm-paper-transient step costs: past vLLM's capacity, its queue
     grows for as long as requests arrive, so the mean batch of a short replay is a
     transient. The command names the point and writes nothing, unless told to."""
     monkeypatch.setenv("COLUMNS", "200")  # the table's last column whole
     path = tmp_path / "points.toml"
     path.write_text('[system]\nmodel = "opt-13b"\ngpu = "a100-40gb"\nmax_seq_len = 2048\n'
-                    'cost_model = "vllm-paper"\n\n'
+                    'cost_model = "vllm-paper-transient"\n\n'
                     '[[points]]\nlabel = "ShareGPT 2 req/s"\ntrace = "sharegpt-paper"\nrate = 2.0\n'
                     'num_requests = 400\nallocator = "vllm"\nmean_running = 30.0\n\n'
                     '[[points]]\nlabel = "ShareGPT 0.5 req/s"\ntrace = "sharegpt-paper"\nrate = 0.5\n'
@@ -341,7 +341,7 @@ def test_a_point_replayed_as_a_transient_is_refused(tmp_path: Path, capsys: pyte
     m, _ = calibrate.load_measurements(path)
     assert list(m.table["num_requests"]) == [400, 400]
     out = tmp_path / "fit.toml"
-    args = ["calibrate", str(path), "--prior", "vllm-paper", "--free", "per_seq_s", "--max-evaluations", "6",
+    args = ["calibrate", str(path), "--prior", "vllm-paper-transient", "--free", "per_seq_s", "--max-evaluations", "6",
             "--out", str(out)]
     assert cli_main(args) != 0
     captured = capsys.readouterr()

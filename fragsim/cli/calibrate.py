@@ -39,7 +39,7 @@ EPILOG = """\
 examples:
   fragsim calibrate steps.csv --model llama-3.1-8b --gpu h100-80gb --out my-h100.toml
   fragsim calibrate bench.json --model llama-3.1-8b --gpu h100-80gb --max-num-seqs 256
-  fragsim calibrate experiments/calibration/vllm_paper.toml --out fragsim/cost_models/vllm-paper.toml --allow-transient
+  fragsim calibrate experiments/calibration/vllm_paper.toml --out my-vllm-paper.toml --max-evaluations 60
 """
 
 

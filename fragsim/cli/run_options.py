@@ -181,7 +181,7 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cost-model", default="auto", metavar="NAME|FILE",
                    help="step times: auto (a fitted preset for the model and GPU if one exists, "
                         "else roofline), roofline, fixed, a preset (vllm-paper, "
-                        "blis-llama-3.1-8b-h100) or a TOML file from fragsim calibrate "
+                        "vllm-paper-transient, blis-llama-3.1-8b-h100) or a TOML file from fragsim calibrate "
                         "(default: %(default)s)")
     g.add_argument("--step-time", type=positive_float, default=0.02,
                    help="seconds per step with --cost-model fixed (default 0.02)")
