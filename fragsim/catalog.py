@@ -79,11 +79,12 @@ _MODELS = [
 # tensor FLOP/s: NVIDIA datasheets. PCIe: one direction of an x16 link (Gen4 32 GB/s,
 # Gen5 64 GB/s, half the datasheets' bidirectional figure); swap moves one way.
 # sms: streaming multiprocessors (AMD: compute units), from the same datasheets and
-# whitepapers. driver_total_bytes: vLLM's logged total_gpu_memory (CUDA's own total, what
-# `fragsim capacity` budgets from), printed to 0.01 GiB, where a published log of
-# that card gives it; the source says which. Elsewhere none is cited yet and the
-# capacity plan starts from nvidia-smi's figure.
-_NO_DRIVER_TOTAL = "; no published driver total (vLLM's total_gpu_memory): nvidia-smi's used"
+# whitepapers. driver_total_bytes: CUDA's own total (cudaMemGetInfo), what vLLM logs as
+# total_gpu_memory and PyTorch's out-of-memory error as "a total capacity of X GiB",
+# and what `fragsim capacity` budgets from, printed to 0.01 GiB in a published log of
+# that card; the source says which. It moves by up to 0.2 GiB with the driver (older
+# drivers report more; the source names other values seen). A card without one
+# (a catalog's) is planned from nvidia-smi's figure.
 
 
 def _gib_2dp(gib: float) -> int:
@@ -93,11 +94,16 @@ def _gib_2dp(gib: float) -> int:
 
 _GPUS = [
     GPUConfig("a100-40gb", 40960 * MiB, 1555e9, 312e12, 32e9,
-              source="NVIDIA A100 datasheet (SXM4 40GB): 1,555 GB/s, 312 TFLOPS fp16"
-                     + _NO_DRIVER_TOTAL, arch="sm80", sms=108),
+              source="NVIDIA A100 datasheet (SXM4 40GB): 1,555 GB/s, 312 TFLOPS fp16; driver "
+                     "total 39.39 GiB: dropbox/hqq issue #77 (A100 40GB, 'a total capacity of "
+                     "39.39 GiB'), and 42,298,834,944 B in bottlerocket-os/bottlerocket PR #3873's "
+                     "deviceQuery (CUDA 12.2 driver); 39.50 in vLLM issue #12330's log, 39.59 "
+                     "under driver 495", arch="sm80", sms=108, driver_total_bytes=_gib_2dp(39.39)),
     GPUConfig("a100-80gb", 81920 * MiB, 2039e9, 312e12, 32e9,
-              source="NVIDIA A100 datasheet (SXM4 80GB): 2,039 GB/s, 312 TFLOPS fp16"
-                     + _NO_DRIVER_TOTAL, arch="sm80", sms=108),
+              source="NVIDIA A100 datasheet (SXM4 80GB): 2,039 GB/s, 312 TFLOPS fp16; driver "
+                     "total 79.15 GiB: vLLM issue #4408 (A100 80GB, 'a total capacity of 79.15 "
+                     "GiB'); 79.21-79.35 under other drivers", arch="sm80", sms=108,
+              driver_total_bytes=_gib_2dp(79.15)),
     GPUConfig("h100-80gb", 81559 * MiB, 3.35e12, 989.4e12, 64e9,
               source="NVIDIA H100 datasheet (SXM5): 3.35 TB/s, 1,979 TFLOPS fp16 sparse / 2; "
                      "driver total 79.19 GiB: llm-d-planner accuracy/results/v0.19.0 logs "
@@ -106,41 +112,58 @@ _GPUS = [
                      "llm-d-benchmark config_explorer/empirical-vllm-memory-results.md",
               arch="sm90", sms=132, driver_total_bytes=_gib_2dp(79.19)),
     GPUConfig("h200-141gb", 143771 * MiB, 4.8e12, 989.4e12, 64e9,
-              source="NVIDIA H200 datasheet (SXM): 141 GB, 4.8 TB/s, 1,979 TFLOPS fp16 sparse / 2"
-                     + _NO_DRIVER_TOTAL, arch="sm90", sms=132),
+              source="NVIDIA H200 datasheet (SXM): 141 GB, 4.8 TB/s, 1,979 TFLOPS fp16 sparse / 2; "
+                     "driver total 139.80 GiB: stas00/ml-engineering debug/pytorch.md (an H200 "
+                     "node, 'a total capacity of 139.80 GiB'); 139.81 in a vLLM log",
+              arch="sm90", sms=132, driver_total_bytes=_gib_2dp(139.80)),
     # nvidia-smi reports 183,359 MiB of the 192 GB; PCIe Gen5 x16 to the host.
     GPUConfig("b200", 183359 * MiB, 8e12, 2.25e15, 64e9,
               source="NVIDIA HGX B200 datasheet: 180 GB usable HBM3e, 8 TB/s, "
-                     "4.5 PFLOPS fp16 sparse / 2" + _NO_DRIVER_TOTAL, arch="sm100", sms=148),
+                     "4.5 PFLOPS fp16 sparse / 2; driver total 178.35 GiB: stas00/ml-engineering "
+                     "debug/pytorch.md ('On NVIDIA B200 ... a total capacity of 178.35 GiB'); "
+                     "178.36 in PrimeIntellect-ai/prime-rl benchmarks/results/BENCHMARKS.md (8xB200)",
+              arch="sm100", sms=148, driver_total_bytes=_gib_2dp(178.35)),
     # Eight 24 GiB HBM3 stacks; the driver reports the whole 192 GiB.
     GPUConfig("mi300x", 192 * GiB, 5.3e12, 1307.4e12, 64e9,
               source="AMD Instinct MI300X datasheet: 192 GB HBM3, 5.3 TB/s, "
-                     "1,307.4 TFLOPS fp16 dense" + _NO_DRIVER_TOTAL, arch="gfx942", sms=304),
+                     "1,307.4 TFLOPS fp16 dense; driver total 191.98 GiB: AMD ROCm blog 'Shrink "
+                     "LLMs, Boost Inference' (MI300X, HIP 'a total capacity of 191.98 GiB') and "
+                     "vLLM issue #7951", arch="gfx942", sms=304, driver_total_bytes=_gib_2dp(191.98)),
     GPUConfig("l4", 23034 * MiB, 300e9, 121e12, 32e9,
-              source="NVIDIA L4 datasheet: 24 GB, 300 GB/s, 242 TFLOPS fp16 sparse / 2"
-                     + _NO_DRIVER_TOTAL, arch="sm89", sms=58),
+              source="NVIDIA L4 datasheet: 24 GB, 300 GB/s, 242 TFLOPS fp16 sparse / 2; driver "
+                     "total 22.03 GiB: ArcInstitute/evo2 issue #190 (an L4, 'a total capacity of "
+                     "22.03 GiB'); 21.96-21.99 under other drivers", arch="sm89", sms=58,
+              driver_total_bytes=_gib_2dp(22.03)),
     # fp32 accumulation, as PyTorch's fp16 GEMMs use; GeForce runs it at half the
     # fp16-accumulate rate (330 TFLOPS).
     GPUConfig("rtx-4090", 24564 * MiB, 1008e9, 165.2e12, 32e9,
-              source="NVIDIA Ada whitepaper (RTX 4090): 1,008 GB/s, 165.2 TFLOPS fp16/fp32-acc"
-                     + _NO_DRIVER_TOTAL, arch="sm89", sms=128),
+              source="NVIDIA Ada whitepaper (RTX 4090): 1,008 GB/s, 165.2 TFLOPS fp16/fp32-acc; "
+                     "driver total 23.64 GiB: 3DTopia/Phidias-Diffusion issue #8 and "
+                     "TMElyralab/MuseTalk issue #76 ('a total capacity of 23.64 GiB'); "
+                     "23.52-23.68 under other drivers", arch="sm89", sms=128,
+              driver_total_bytes=_gib_2dp(23.64)),
     # Datacenter Ada: full-rate fp32 accumulation. The datasheet's dense figure is
     # 362.05 (not 733 / 2).
     GPUConfig("l40s", 46068 * MiB, 864e9, 362.05e12, 32e9,
               source="NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s, 362.05 TFLOPS fp16 dense, "
                      "PCIe Gen4 x16; driver total 44.31 GiB: vLLM issue #15196 log (L40S, "
-                     "vLLM 0.7.2), total_gpu_memory (44.31GiB)",
+                     "vLLM 0.7.2), total_gpu_memory (44.31GiB); 44.53 in Wan-Video/Wan2.1 "
+                     "issue #205",
               arch="sm89", sms=142, driver_total_bytes=_gib_2dp(44.31)),
     # AWS's variant of the A10 (G5 instances); NVIDIA publishes no A10G datasheet.
     # Its tensor rate is half the A10's 125 TFLOPS, as GeForce's fp32 accumulation.
     GPUConfig("a10g", 23028 * MiB, 600e9, 70e12, 32e9,
               source="Baseten, 'NVIDIA A10 vs A10G for ML model inference' (spec table: 24 GB "
-                     "GDDR6, 600 GB/s, 70 TFLOPS fp16 tensor); PCIe Gen4 x16" + _NO_DRIVER_TOTAL,
-              arch="sm86", sms=80),
+                     "GDDR6, 600 GB/s, 70 TFLOPS fp16 tensor); PCIe Gen4 x16; driver total "
+                     "22.19 GiB: vLLM issue #372 (ml.g5 instances, '22.19 GiB total capacity'); "
+                     "21.99 with a 2025 driver", arch="sm86", sms=80,
+              driver_total_bytes=_gib_2dp(22.19)),
     GPUConfig("rtx-5090", 32607 * MiB, 1792e9, 209.5e12, 64e9,
               source="NVIDIA RTX Blackwell whitepaper (RTX 5090): 32 GB GDDR7, 1,792 GB/s, "
-                     "209.5 TFLOPS fp16/fp32-acc dense, PCIe Gen5 x16" + _NO_DRIVER_TOTAL,
-              arch="sm120", sms=170),
+                     "209.5 TFLOPS fp16/fp32-acc dense, PCIe Gen5 x16; driver total 31.36 GiB: "
+                     "TrajectoryCrafter/TrajectoryCrafter issue #20 (RTX 5090, 'a total capacity "
+                     "of 31.36 GiB'); 31.37 in Wan-Video/Wan2.1 issue #465",
+              arch="sm120", sms=170, driver_total_bytes=_gib_2dp(31.36)),
     GPUConfig("rtx-3090", 24576 * MiB, 936e9, 71e12, 32e9,
               source="NVIDIA Ampere GA102 whitepaper (RTX 3090): 936 GB/s, 71 TFLOPS "
                      "fp16/fp32-acc dense, PCIe Gen4 x16; driver total 23.58 GiB: vLLM issue "

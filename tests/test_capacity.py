@@ -3,6 +3,7 @@ OPT-13B check, and the ``fragsim capacity`` command."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -57,7 +58,8 @@ def test_opt_13b_on_a100_40gb_matches_the_vllm_paper():
     assert 15_486 == pytest.approx(15_700, rel=0.02)
     r = plan_capacity(MODELS["opt-13b"], A100_40)
     assert r.max_seq_len == 2048 and r.max_num_batched_tokens == 2048 and r.max_num_seqs == 256
-    assert r.usable_memory_bytes == 38_654_705_664          # exactly 36 GiB
+    # 90% of CUDA's 39.39 GiB (40 GiB on nvidia-smi), rounded up as vLLM requests it
+    assert r.usable_memory_bytes == -(-40335 * 2**20 * 9 // 10) == 38_064_881_664
     # 12,853,473,280 parameters × 2 B, and 32 rows of vocabulary padding (50,272 → 50,304)
     assert r.weight_bytes_per_gpu == 25_706_946_560 + 32 * 5120 * 2
     assert r.kv_budget_bytes == _profile_budget(r)
@@ -100,7 +102,7 @@ def test_options_change_the_budget_as_stated():
     model = MODELS["llama-2-7b"]
     given = plan_capacity(model, A100_80, activation_bytes=2 * 10**9, gpu_memory_utilization=1)
     assert not given.activation_estimated and given.activation_bytes == 2 * 10**9
-    assert given.usable_memory_bytes == 80 * 2**30
+    assert given.usable_memory_bytes == A100_80.driver_total_bytes == 81050 * 2**20  # 79.15 GiB
     assert given.kv_budget_bytes == _profile_budget(given)
     bigger = plan_capacity(model, A100_80, max_num_batched_tokens=8192)
     assert bigger.activation_bytes > plan_capacity(model, A100_80).activation_bytes
@@ -168,7 +170,7 @@ def test_cli_table_and_list(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["models"]["opt-13b"]["kv_bytes_per_token"] == 819_200
     assert data["gpus"]["a100-40gb"]["memory_bytes"] == 40 * 2**30
-    assert data["gpus"]["a100-40gb"]["driver_total_bytes"] is None
+    assert data["gpus"]["a100-40gb"]["driver_total_bytes"] == 40335 * 2**20
     assert data["gpus"]["h100-80gb"]["driver_total_bytes"] == 81091 * 2**20
 
 
@@ -184,17 +186,21 @@ def test_capacity_starts_from_the_driver_total_and_run_from_nvidia_smis():
     run_slots = kv_budget_slots(model, h100)
     assert run_slots == (81559 * 2**20 * 9 // 10 - 16_060_522_496
                          - activation_peak_bytes(model, 2048)) // 131_072
-    a100 = plan_capacity(model, A100_80)
+    unknown = dataclasses.replace(A100_80, driver_total_bytes=None)  # a catalog's card
+    a100 = plan_capacity(model, unknown)
     assert a100.gpu_memory_bytes == 80 * 2**30 and not a100.gpu_memory_from_driver
 
 
-def test_capacity_table_names_which_total_it_starts_from(capsys):
+def test_capacity_table_names_which_total_it_starts_from(capsys, tmp_path):
     assert main(["capacity", "--model", "llama-3-8b", "--gpu", "rtx-3090", "--max-seq-len",
                  "8192"]) == 0
     out = capsys.readouterr().out
     assert "GPU memory (driver total)" in out and "23.58 GiB" in out
-    assert main(["capacity", "--model", "llama-3-8b", "--gpu", "a10g", "--max-seq-len",
-                 "8192"]) == 0
+    # A catalog's card with a memory size of its own has no driver total: nvidia-smi's.
+    catalog = tmp_path / "cards.toml"
+    catalog.write_text('[gpus.a10g-custom]\nbase = "a10g"\nmemory_bytes = 24146509824\n')
+    assert main(["capacity", "--model", "llama-3-8b", "--gpu", "a10g-custom", "--catalog", str(catalog),
+                 "--max-seq-len", "8192"]) == 0
     assert "GPU memory (nvidia-smi)" in capsys.readouterr().out
 
 

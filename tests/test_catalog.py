@@ -94,13 +94,19 @@ def test_gpu_memory_is_what_the_device_reports():
 @pytest.mark.parametrize(
     ("name", "smi_mib", "driver_gib", "bandwidth", "flops", "pcie", "arch"),
     [
-        # nvidia-smi's memory.total; vLLM's logged total_gpu_memory, to 0.01 GiB
+        # nvidia-smi's memory.total; CUDA's total as published logs print it, to 0.01 GiB
         ("h100-80gb", 81559, 79.19, 3.35e12, 989.4e12, 64e9, "sm90"),
         ("l40s", 46068, 44.31, 864e9, 362.05e12, 32e9, "sm89"),
         ("rtx-3090", 24576, 23.58, 936e9, 71e12, 32e9, "sm86"),
-        ("a10g", 23028, None, 600e9, 70e12, 32e9, "sm86"),
-        ("rtx-5090", 32607, None, 1792e9, 209.5e12, 64e9, "sm120"),
-        ("a100-80gb", 81920, None, 2039e9, 312e12, 32e9, "sm80"),
+        ("a10g", 23028, 22.19, 600e9, 70e12, 32e9, "sm86"),
+        ("rtx-5090", 32607, 31.36, 1792e9, 209.5e12, 64e9, "sm120"),
+        ("a100-80gb", 81920, 79.15, 2039e9, 312e12, 32e9, "sm80"),
+        ("a100-40gb", 40960, 39.39, 1555e9, 312e12, 32e9, "sm80"),
+        ("h200-141gb", 143771, 139.80, 4.8e12, 989.4e12, 64e9, "sm90"),
+        ("l4", 23034, 22.03, 300e9, 121e12, 32e9, "sm89"),
+        ("rtx-4090", 24564, 23.64, 1008e9, 165.2e12, 32e9, "sm89"),
+        ("b200", 183359, 178.35, 8e12, 2.25e15, 64e9, "sm100"),
+        ("mi300x", 196608, 191.98, 5.3e12, 1307.4e12, 64e9, "gfx942"),
     ],
 )
 def test_gpu_presets_carry_both_totals(name, smi_mib, driver_gib, bandwidth, flops, pcie, arch):
@@ -108,13 +114,9 @@ def test_gpu_presets_carry_both_totals(name, smi_mib, driver_gib, bandwidth, flo
     assert gpu.memory_bytes == smi_mib * 2**20
     assert (gpu.hbm_bandwidth, gpu.fp16_flops, gpu.pcie_bandwidth, gpu.arch) == (
         bandwidth, flops, pcie, arch)
-    if driver_gib is None:
-        assert gpu.driver_total_bytes is None and gpu.startup_total_bytes == gpu.memory_bytes
-        assert "no published driver total" in gpu.source
-    else:
-        assert round(gpu.driver_total_bytes / 2**30, 2) == driver_gib
-        assert gpu.startup_total_bytes == gpu.driver_total_bytes < gpu.memory_bytes
-        assert f"{driver_gib:.2f} GiB" in gpu.source
+    assert round(gpu.driver_total_bytes / 2**30, 2) == driver_gib
+    assert gpu.startup_total_bytes == gpu.driver_total_bytes < gpu.memory_bytes
+    assert f"{driver_gib:.2f} GiB" in gpu.source
 
 
 def test_driver_total_may_not_exceed_nvidia_smis():
