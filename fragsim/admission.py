@@ -72,7 +72,8 @@ def admit(engine: Engine, skipped: list[int]) -> bool:
         if connector is not None:
             p.loading = connector.start_load(req, prompt, context, done, engine.now)
             if p.loading:
-                continue  # it waits for its load (vLLM: WAITING_FOR_REMOTE_KVS)
+                running -= width  # it waits for its load, out of the running set
+                continue          # (vLLM: WAITING_FOR_REMOTE_KVS, in kv_holding_waiting)
         chunk = min(engine.budget, context - done)
         engine.chunks.append((p, chunk))
         engine.budget -= chunk
@@ -96,3 +97,21 @@ def poll_connector(engine: Engine) -> None:
             p.cached += loaded_tokens
             engine.requests.cached[p.req] += loaded_tokens
             p.loading = 0
+            p.parked = True  # until a running slot is free (:func:`unpark`)
+
+
+def unpark(engine: Engine) -> None:
+    """Requests whose KV landed join the running set, in the order they were admitted,
+    while ``max_num_seqs`` and the step's token budget allow: before any waiting request,
+    as vLLM 0.33's scheduler drains ``kv_holding_waiting`` before ``waiting``."""
+    running = engine.num_running()
+    for p in engine.prefilling:
+        if not p.parked:
+            continue
+        if running + len(p.seqs) > engine.cfg.max_num_seqs or engine.budget <= 0:
+            return
+        p.parked = False
+        running += len(p.seqs)
+        chunk = min(engine.budget, p.target - p.done)
+        engine.chunks.append((p, chunk))
+        engine.budget -= chunk

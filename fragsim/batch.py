@@ -209,3 +209,9 @@ class Prefill:
     shared: int = 0             # slots its sequences share among themselves
     cached: int = 0             # leading tokens found in the prefix cache (done started there)
     loading: int = 0            # tokens being loaded from an offload tier (it waits for them)
+    parked: bool = False        # loaded, waiting for a running slot (vLLM: kv_holding_waiting)
+
+    @property
+    def running(self) -> bool:
+        """In the running set: not waiting for KV, nor for a slot once its KV landed."""
+        return not self.loading and not self.parked

@@ -65,9 +65,6 @@ class KVConnector(Protocol):
         """``req``'s blocks are placed: start loading; returns the tokens it waits for
         (``load=False``: another connector loads it; this one only follows it)."""
 
-    def cancel(self, req: int) -> None:
-        """``req`` was preempted while loading."""
-
     def poll(self, now: float, free: Callable[[int], Any]) -> tuple[list[int], bool]:
         """(requests whose loads all landed by ``now``, whether held blocks were freed)."""
 
@@ -177,9 +174,6 @@ class MultiConnector:
         if not tokens:
             self._loader.pop(req, None)
         return tokens
-
-    def cancel(self, req: int) -> None:
-        self._loader.pop(req).cancel(req)
 
     def poll(self, now: float, free: Callable[[int], Any]) -> tuple[list[int], bool]:
         freed = False

@@ -154,8 +154,10 @@ class Engine:
         self.waiting = self.requests.expire(self.waiting, self.now, timeout)
 
     def num_running(self) -> int:
-        """Sequences running: decoding rows and every sequence of a prefilling request."""
-        return self.batch.n + sum(len(p.seqs) for p in self.prefilling)
+        """Sequences running: decoding rows and every sequence of a prefilling request
+        that is not waiting for KV to land or, landed, for a running slot (vLLM 0.33 keeps
+        those out of ``running``, so ``max_num_seqs`` does not count them)."""
+        return self.batch.n + sum(len(p.seqs) for p in self.prefilling if p.running)
 
     # ---------------------------------------------------------------- one step
 
@@ -270,12 +272,14 @@ class Engine:
         for p in self.prefilling:
             if self.budget <= 0:
                 break
-            if p.loading:
+            if not p.running:
                 continue
             if not self.chunks or all(p is not q for q, _ in self.chunks):
                 chunk = min(self.budget, p.target - p.done)
                 self.chunks.append((p, chunk))
                 self.budget -= chunk
+        if self.connector is not None:
+            admission.unpark(self)
         return not self.swapped and self.admit_waiting()
 
     def _decide_v0(self) -> tuple[bool, bool]:

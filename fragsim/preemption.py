@@ -28,12 +28,13 @@ def preempt_latest(engine: Engine) -> int:
     """Preempt the latest-arrived running request, all of its sequences; returns it."""
     b, kv, reqs = engine.batch, engine.kv, engine.requests
     cand = int(b.req[: b.n].max()) if b.n else -1
-    pre = max(engine.prefilling, key=lambda p: p.req) if engine.prefilling else None
+    # Only the running set is preempted: a request waiting for its KV, or for a slot
+    # once it landed, keeps its blocks (vLLM 0.33 preempts from ``running`` alone).
+    running = [p for p in engine.prefilling if p.running]
+    pre = max(running, key=lambda p: p.req) if running else None
     if pre is not None and pre.req > cand:
         reqs.cached[pre.req] = 0  # its next placement finds the cache anew
         engine.prefilling.remove(pre)
-        if pre.loading and engine.connector is not None:
-            engine.connector.cancel(pre.req)
         held = sum(kv.free(seq) for seq in pre.seqs)
         requeue(engine, pre.req, 0, held)
         return pre.req

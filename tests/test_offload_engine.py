@@ -225,3 +225,22 @@ def test_swap_space_is_taken_from_the_cpu_tier() -> None:
              "swapped", "free")
     assert math.fsum(tier[f"{p}_frac"] for p in parts) == pytest.approx(1.0)
     assert s["num_finished"] + s["num_refused"] == len(trace)
+
+
+def test_a_loading_request_is_out_of_the_running_set_and_waits_for_a_slot_once_loaded() -> None:
+    """vLLM 0.33 keeps a request whose KV is loading out of ``running``: ``max_num_seqs``
+    does not count it, so a later request starts meanwhile; once loaded it waits for a
+    running slot, and takes the first one ahead of any waiting request."""
+    tr = Trace("slots", "test", np.array([0.0, 5.0, 5.0, 5.0]), np.array([1024, 1024, 512, 512]),
+               np.array([1, 1, 3, 1]), block_hashes=[(7, 8), (7, 8), (9,), (10,)], block_hash_size=512)
+    engine = make_engine(tr, "vllm", spec(max_num_seqs=1), check=True)
+    engine.run()
+    reqs = engine.requests
+    load_s = 1024 * KV_BYTES / PCIE
+    # The second request loads; the third runs beside it (one slot: the third's).
+    assert reqs.first_token[2] == pytest.approx(5.0 + STEP)
+    assert load_s < STEP
+    # Loaded during the third's first step, the second waits for the slot, then takes it
+    # before the fourth, which arrived with it but is still waiting.
+    assert reqs.first_token[1] == pytest.approx(reqs.finish[2] + STEP)
+    assert reqs.first_token[3] == pytest.approx(reqs.finish[1] + STEP)

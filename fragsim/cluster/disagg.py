@@ -85,7 +85,6 @@ class Handoff:
     latency: float
     start: float | None = None  # when it held both ports
     end: float | None = None    # known once it holds both ports
-    cancelled: bool = False     # the decode side preempted the request meanwhile
 
 
 def _next_done(jobs: Any) -> float | None:
@@ -246,9 +245,6 @@ class PrefillSide:
                    load: bool = True) -> int:
         return 0
 
-    def cancel(self, req: int) -> None:
-        raise AssertionError("a prefill instance loads nothing")
-
     def store(self, req: int, prompt: int, computed: int, now: float) -> None:
         self.now = now
 
@@ -337,11 +333,6 @@ class DecodeSide:
         payload = self.payload(req, gpu_hit, context) if self.payload is not None else None
         self.loading[req] = self.link.send(req, sender, self.index, tokens, now, payload)
         return tokens
-
-    def cancel(self, req: int) -> None:
-        job = self.loading.pop(req)
-        job.cancelled = True  # it runs on; the prefill side frees its copy when it lands
-        self.link.receiving += job.units * (self.now - job.ready)
 
     def poll(self, now: float, free: Callable[[int], Any]) -> tuple[list[int], bool]:
         """The requests whose KV landed by ``now``; the prefill side of one refused here

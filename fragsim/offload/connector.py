@@ -252,11 +252,6 @@ class OffloadConnector:
     def loading(self, req: int) -> bool:
         return req in self._loading
 
-    def cancel(self, req: int) -> None:
-        """``req`` was preempted while loading: its loads run on, unheeded."""
-        for job in self._loading.pop(req, ()):
-            job.cancelled = True
-
     # ----------------------------------------------------------------- stores
 
     def store(self, req: int, prompt: int, computed: int, now: float) -> None:
@@ -359,8 +354,6 @@ class OffloadConnector:
                 level.stats.load_tokens += job.tokens
                 level.stats.load_time_s += job.seconds
                 level.unpin(job.keys, job.end)
-                if job.cancelled:
-                    continue
                 waiting = self._loading[job.req]
                 waiting.remove(job)
                 if not waiting:

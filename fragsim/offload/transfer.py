@@ -25,7 +25,6 @@ class Transfer:
     level: Level | None = None                  # the tier it reads or writes
     start: float | None = None                  # when its first phase took its resource
     end: float | None = None                    # known once its last phase holds its resource
-    cancelled: bool = False                     # a load whose request was preempted meanwhile
 
     @property
     def seconds(self) -> float:
