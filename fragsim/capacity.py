@@ -221,7 +221,7 @@ def plan_capacity(
     gpu: GPUConfig,
     *,
     tp: int = 1,
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    gpu_memory_utilization: float | None = None,
     max_seq_len: int | None = None,
     batch: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
@@ -264,6 +264,7 @@ def plan_capacity(
     newest, :mod:`fragsim.vllm_memory`): weights per rank as loaded, the profiling
     run's activation peak (``activation_bytes`` replaces it when given), non-torch
     memory and, where the release subtracts it, the CUDA-graph estimate.
+    ``gpu_memory_utilization`` defaults to the release's (0.9 in 0.19, 0.92 in 0.33).
     """
     from fragsim.vllm_memory import DEFAULT_RELEASE, check_release, startup_profile
     from fragsim.vllm_plan import (
@@ -286,6 +287,8 @@ def plan_capacity(
     tokens = (default_max_num_batched_tokens(gpu) if max_num_batched_tokens is None
               else max_num_batched_tokens)
     total = gpu.startup_total_bytes
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = check_release(vllm_version or DEFAULT_RELEASE).gpu_memory_utilization
     _check_int_option("tp", "--tp", tp, 1)
     model.kv_heads_per_gpu(tp)  # refuses head counts that do not split
     _usable_bytes(total, gpu_memory_utilization)  # refuses a bad utilization by name

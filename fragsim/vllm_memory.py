@@ -76,6 +76,7 @@ class Release:
     sampler_fp32_tensors: int        # fp32 row × vocab tensors of the dummy sampling step
     counts_async_step: bool          # a request's most blocks count the async step in flight
     tokens_from_blocks: bool         # "GPU KV cache size" = blocks // groups × block size
+    gpu_memory_utilization: float    # CacheConfig's default
     source: str
 
 
@@ -83,8 +84,10 @@ class Release:
 RELEASES: dict[str, Release] = {
     "0.19": Release(
         "0.19", subtracts_cuda_graphs=False, sampler_fp32_tensors=3, counts_async_step=False,
-        tokens_from_blocks=True,
-        source="vLLM 0.19.1: v1/worker/gpu_worker.py determine_available_memory (graph "
+        tokens_from_blocks=True, gpu_memory_utilization=0.9,
+        source="vLLM 0.19.1: config/cache.py gpu_memory_utilization default 0.9 (a 0.19 "
+               "start-up at 0.90 does not list it among its non-default args); "
+               "v1/worker/gpu_worker.py determine_available_memory (graph "
                "estimate applied only with VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1, "
                "envs.py default 0); v1/sample/sampler.py forward (fp32 copy), "
                "ops/topk_topp_sampler.py forward_native and random_sample (fp32 "
@@ -93,8 +96,9 @@ RELEASES: dict[str, Release] = {
                "(GPU KV cache size = num_blocks // groups × smallest block size)"),
     "0.33": Release(
         "0.33", subtracts_cuda_graphs=True, sampler_fp32_tensors=2, counts_async_step=True,
-        tokens_from_blocks=False,
-        source="vLLM 0.33.0: envs.py VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS default 1, "
+        tokens_from_blocks=False, gpu_memory_utilization=0.92,
+        source="vLLM 0.33.0: config/cache.py CacheConfig.gpu_memory_utilization default 0.92 "
+               "(0.27.1 and 0.31.0 start-ups print 0.92 unasked); envs.py VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS default 1, "
                "so determine_available_memory subtracts profile_cudagraph_memory(); "
                "Model Runner V2's sampler warm-up (v1/worker/gpu/sample/sampler.py): one fp32 "
                "copy of the logits, FlashInfer top-k/top-p (its own temporaries not "
@@ -208,14 +212,17 @@ class StartupProfile:
 
 
 def startup_profile(model: ModelConfig, gpu: GPUConfig, *, tp: int = 1,
-                    gpu_memory_utilization: float = 0.9, max_num_seqs: int | None = None,
+                    gpu_memory_utilization: float | None = None, max_num_seqs: int | None = None,
                     max_num_batched_tokens: int, vllm_version: str = DEFAULT_RELEASE,
                     enforce_eager: bool = False, requested_bytes: int | None = None
                     ) -> StartupProfile:
     """Every term of vLLM's start-up memory for ``model`` on ``gpu`` (module docstring).
 
-    ``requested_bytes`` is ``ceil(total × gpu_memory_utilization)`` unless given."""
+    ``requested_bytes`` is ``ceil(total × gpu_memory_utilization)`` unless given; the
+    utilization defaults to the release's (0.9 in 0.19, 0.92 in 0.33)."""
     release = check_release(vllm_version)
+    if gpu_memory_utilization is None:
+        gpu_memory_utilization = release.gpu_memory_utilization
     seqs = default_max_num_seqs(gpu) if max_num_seqs is None else max_num_seqs
     if not isinstance(seqs, int) or isinstance(seqs, bool) or seqs < 1:
         raise FragsimError(f"max_num_seqs (--max-num-seqs) must be an integer >= 1, got {seqs!r}")

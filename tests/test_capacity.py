@@ -58,8 +58,9 @@ def test_opt_13b_on_a100_40gb_matches_the_vllm_paper():
     assert 15_486 == pytest.approx(15_700, rel=0.02)
     r = plan_capacity(MODELS["opt-13b"], A100_40)
     assert r.max_seq_len == 2048 and r.max_num_batched_tokens == 2048 and r.max_num_seqs == 256
-    # 90% of CUDA's 39.39 GiB (40 GiB on nvidia-smi), rounded up as vLLM requests it
-    assert r.usable_memory_bytes == -(-40335 * 2**20 * 9 // 10) == 38_064_881_664
+    # 92% (vLLM 0.33's default) of CUDA's 39.39 GiB (40 GiB on nvidia-smi), rounded up
+    assert r.gpu_memory_utilization == 0.92
+    assert r.usable_memory_bytes == -(-40335 * 2**20 * 92 // 100)
     # 12,853,473,280 parameters × 2 B, and 32 rows of vocabulary padding (50,272 → 50,304)
     assert r.weight_bytes_per_gpu == 25_706_946_560 + 32 * 5120 * 2
     assert r.kv_budget_bytes == _profile_budget(r)
@@ -67,7 +68,7 @@ def test_opt_13b_on_a100_40gb_matches_the_vllm_paper():
     assert r.num_blocks == r.kv_slots // 16
     assert r.max_concurrency == r.kv_slots / 2048
     # today's vLLM (0.33) also sets aside its CUDA graphs; 0.19 did not
-    old = plan_capacity(MODELS["opt-13b"], A100_40, vllm_version="0.19")
+    old = plan_capacity(MODELS["opt-13b"], A100_40, vllm_version="0.19", gpu_memory_utilization=0.92)
     assert not old.cuda_graph_subtracted and r.cuda_graph_subtracted
     assert old.kv_budget_bytes - r.kv_budget_bytes == r.cuda_graph_bytes > 0
 
@@ -180,8 +181,11 @@ def test_capacity_starts_from_the_driver_total_and_run_from_nvidia_smis():
     model, h100 = MODELS["llama-3-8b"], GPUS["h100-80gb"]
     r = plan_capacity(model, h100, max_num_batched_tokens=2048)
     assert r.gpu_memory_bytes == 81091 * 2**20 and r.gpu_memory_from_driver
-    # vLLM's requested memory rounds up: ceil(total × 0.9)
-    assert r.usable_memory_bytes == -(-81091 * 2**20 * 9 // 10) == 76_527_068_775
+    # vLLM's requested memory rounds up: ceil(total × 0.92), 0.33's default utilization
+    assert r.usable_memory_bytes == -(-81091 * 2**20 * 92 // 100) == 78_227_670_303
+    # 0.19's default was 0.9
+    old = plan_capacity(model, h100, max_num_batched_tokens=2048, vllm_version="0.19")
+    assert old.gpu_memory_utilization == 0.9 and old.usable_memory_bytes == 76_527_068_775
     assert r.kv_budget_bytes == _profile_budget(r)
     run_slots = kv_budget_slots(model, h100)
     assert run_slots == (81559 * 2**20 * 9 // 10 - 16_060_522_496
