@@ -60,7 +60,6 @@ def admit(engine: Engine, skipped: list[int]) -> bool:
         if engine.fork_log is not None:
             engine.fork_log += [(req, child, prompt) for child in seqs[1:]]
         engine.waiting.popleft()
-        running += width
         reqs.status[req] = RUNNING
         done = gpu_hit
         p = Prefill(req, context, done, seqs, admitted.rooms, admitted.shared, done)
@@ -72,12 +71,17 @@ def admit(engine: Engine, skipped: list[int]) -> bool:
         if connector is not None:
             p.loading = connector.start_load(req, prompt, context, done, engine.now)
             if p.loading:
-                running -= width  # it waits for its load, out of the running set
-                continue          # (vLLM: WAITING_FOR_REMOTE_KVS, in kv_holding_waiting)
-        chunk = min(engine.budget, context - done)
-        engine.chunks.append((p, chunk))
-        engine.budget -= chunk
+                continue  # out of the running set until it lands (vLLM: WAITING_FOR_REMOTE_KVS)
+        running += width
+        take_chunk(engine, p)
     return True
+
+
+def take_chunk(engine: Engine, p: Prefill) -> None:
+    """The next chunk of ``p``'s prompt in this step, as much as the token budget allows."""
+    chunk = min(engine.budget, p.target - p.done)
+    engine.chunks.append((p, chunk))
+    engine.budget -= chunk
 
 
 def poll_connector(engine: Engine) -> None:
@@ -112,6 +116,4 @@ def unpark(engine: Engine) -> None:
             return
         p.parked = False
         running += len(p.seqs)
-        chunk = min(engine.budget, p.target - p.done)
-        engine.chunks.append((p, chunk))
-        engine.budget -= chunk
+        take_chunk(engine, p)

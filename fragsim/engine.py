@@ -275,9 +275,7 @@ class Engine:
             if not p.running:
                 continue
             if not self.chunks or all(p is not q for q, _ in self.chunks):
-                chunk = min(self.budget, p.target - p.done)
-                self.chunks.append((p, chunk))
-                self.budget -= chunk
+                admission.take_chunk(self, p)
         if self.connector is not None:
             admission.unpark(self)
         return not self.swapped and self.admit_waiting()

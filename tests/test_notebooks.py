@@ -20,9 +20,8 @@ from jupyter_client.manager import KernelManager  # noqa: E402  (after the skips
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 SCALE = "0.05"          # fraction of each study's requests...
-# ...less for studies that replay an hour of arrivals a point (duration_s): 0.005 of
-# an hour at 100 requests/s is still 1,800 requests
-HOUR_SCALE = {"block_size": "0.005", "fig13_batched_requests": "0.005", "fig2_memory_split": "0.005"}
+HOUR_SCALE = "0.005"    # ...less where a study replays its points by duration_s (an hour
+                        # at 100 requests/s: 360,000 requests; 0.005 of it is 1,800)
 MIN_REQUESTS = "50"     # ...but at least this many per point (studies ask for up to 300)
 TIMEOUT_S = 120         # per cell
 
@@ -53,13 +52,13 @@ def test_there_is_a_notebook_per_paper_figure_and_seed_case() -> None:
 def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     copy = tmp_path / path.name
     shutil.copyfile(path, copy)
-    scale = HOUR_SCALE.get(path.stem, SCALE)
-    monkeypatch.setenv("FRAGSIM_NOTEBOOK_SCALE", scale)
-    monkeypatch.setenv("FRAGSIM_NOTEBOOK_MIN_REQUESTS", MIN_REQUESTS)
     # The notebooks rerun their studies small; those on the public trace files need them.
     text = "\n".join(cell.source for cell in nbformat.read(path, as_version=4).cells)
-    needs_traces = [p.stem for p in (REPO / "experiments").glob("*.toml")
-                    if "${SHARED_TRACES}" in p.read_text() and f'"{p.stem}"' in text]
+    studies = {p.stem: p.read_text() for p in (REPO / "experiments").glob("*.toml") if f'"{p.stem}"' in text}
+    scale = HOUR_SCALE if any("duration_s" in toml for toml in studies.values()) else SCALE
+    monkeypatch.setenv("FRAGSIM_NOTEBOOK_SCALE", scale)
+    monkeypatch.setenv("FRAGSIM_NOTEBOOK_MIN_REQUESTS", MIN_REQUESTS)
+    needs_traces = [name for name, toml in studies.items() if "${SHARED_TRACES}" in toml]
     if needs_traces and not SHARED_TRACES.is_dir():
         pytest.skip(f"{', '.join(needs_traces)} need the public traces, not found at {SHARED_TRACES}")
     monkeypatch.setenv("FRAGSIM_SHARED_TRACES", str(SHARED_TRACES))
