@@ -14,7 +14,8 @@ prefix-cache hit             hit, or None to skip the request this step; once th
                              blocks are placed, :meth:`~KVConnector.start_load` starts
                              moving them in and returns how many tokens the request waits
                              for (vLLM: ``WAITING_FOR_REMOTE_KVS``)
-end of a step                :meth:`~KVConnector.store`: prompt tokens computed by now
+end of a step                :meth:`~KVConnector.store`: prompt tokens computed by now, and
+                             with ``decode_chunk`` set, decode tokens at every multiple of it
 a request finishes           :meth:`~KVConnector.must_hold` / :meth:`~KVConnector.hold`: its
                              blocks outlive it while something still reads them (vLLM:
                              ``delay_free_blocks``); :meth:`~KVConnector.finish`
@@ -32,6 +33,7 @@ the one slot (a side of a prefill/decode split over an offload tier), as vLLM's 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -53,6 +55,10 @@ class KVConnector(Protocol):
     busy: bool
     #: where swap preemption takes host memory from; None: the engine's swap space
     host_pool: HostPool | None
+    #: it stores decode blocks too, in chunks of this many tokens: the engine calls
+    #: :meth:`store` for a decoding sequence whenever its computed tokens reach a multiple
+    #: (a stretch of decode steps stops there); None: prompt tokens only
+    decode_chunk: int | None
 
     def bind(self, env: simpy.Environment) -> None:
         """Run on ``env`` (the engine's, made when it runs)."""
@@ -69,7 +75,7 @@ class KVConnector(Protocol):
         """(requests whose loads all landed by ``now``, whether held blocks were freed)."""
 
     def store(self, req: int, prompt: int, computed: int, now: float) -> None:
-        """The first ``computed`` tokens of ``req`` are in the GPU pool (end of a step)."""
+        """The KV of the first ``computed`` tokens of ``req`` is in the GPU pool (end of a step)."""
 
     def must_hold(self, req: int) -> bool:
         """Whether ``req``'s blocks must outlive it."""
@@ -138,6 +144,8 @@ class MultiConnector:
     def __init__(self, connectors: list[Any]) -> None:
         self.connectors = connectors
         self.host_pool = next((c.host_pool for c in connectors if c.host_pool is not None), None)
+        chunks = [c.decode_chunk for c in connectors if c.decode_chunk is not None]
+        self.decode_chunk = math.gcd(*chunks) if chunks else None
         self._loader: dict[int, Any] = {}    # req -> the connector that loads it
         self._holders: dict[int, int] = {}   # seq -> connectors still holding it
         self._sent: set[int] = set()         # held seqs a side of a transfer held too

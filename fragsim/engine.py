@@ -22,7 +22,9 @@ A step starts at time ``t`` and lasts the cost model's step time ``dt``.
 * At its end: each decoding sequence has stored one more token (not after a
   prompt-only step of ``vllm-v0``); a prompt whose
   last chunk ran holds ``prompt_len + 1`` tokens (its KV and the first output
-  token); computed full prompt blocks join the prefix cache; a request that
+  token); computed full prompt blocks join the prefix cache; a connector is offered
+  the prompt chunks computed (and with decode stores, :mod:`fragsim.decode_stores`,
+  the chunks decode tokens completed); a request that
   reaches ``prompt_len + output_len`` completes and frees its memory at that
   instant.
 
@@ -49,7 +51,7 @@ from typing import Any
 import numpy as np
 import simpy
 
-from fragsim import admission, engine_clock, preemption, stretch
+from fragsim import admission, decode_stores, engine_clock, preemption, stretch
 from fragsim.batch import DecodeBatch, Prefill
 from fragsim.beams import BeamSearch
 from fragsim.connector import KVConnector
@@ -341,6 +343,7 @@ class Engine:
                 self.batch.add(req, p.target + 1, g, room, final, seq)
             if self.beams is not None:
                 self.beams.start(p.seqs)
+        decode_stores.offer(self)  # before any row finishes: its last chunk goes first
         b = self.batch
         if g < b.end_min():
             return  # no row completes in this step

@@ -19,9 +19,13 @@ get a key of their own request (negative, never equal to another request's): a
 request can then still hit its own blocks when it is readmitted after a
 preemption, and nobody else can.
 
-Only *prompt* blocks get keys. vLLM also caches blocks of generated tokens; in a
-trace those are never equal across requests, so the only hits they could give
-are a preempted request's own, which this model recomputes instead.
+The prefix cache keys *prompt* blocks only. vLLM also caches blocks of generated
+tokens; in a trace those are never equal across requests, so the only hits they
+could give are a preempted request's own, which this model recomputes instead.
+An offload tier that stores decode blocks keys them too (:meth:`PrefixKeys.context_keys`):
+by the trace's ``context_hashes`` where it has them (sessions: a block of one turn's
+output keys equal to the same block of the next turn's prompt), else as the
+request's own.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class PrefixKeys:
         self.hash_size = trace.block_hash_size or 1
         self._chains: dict[tuple[int, int], int] = {}
         self._memo: dict[int, list[int]] = {}
+        self._context_memo: dict[int, list[int]] = {}
+        self.context = trace.context_hashes
 
     def _chain_ids(self, hashes: tuple[int, ...]) -> list[int]:
         chains, out, parent = self._chains, [], 0
@@ -57,10 +63,34 @@ class PrefixKeys:
         memo = self._memo.get(req)
         if memo is not None and len(memo) == prompt_len // self.block_size:
             return memo
-        B = self.block_size
-        k = np.arange(prompt_len // B, dtype=np.int64)
-        own = -(req * KEY_STRIDE + k) - 1
         hashes = self.hashes[req] if self.hashes is not None else ()
+        keys = self._keys(req, hashes, prompt_len // self.block_size)
+        self._memo[req] = keys
+        return keys
+
+    def context_keys(self, req: int, prompt_len: int, num_tokens: int) -> list[int]:
+        """Keys of the ``num_tokens // block_size`` full blocks of ``req``'s prompt and
+        output. With the trace's ``context_hashes`` every block is keyed by them (the
+        conversation's ids, prompt blocks included, so that a turn's prompt blocks in a
+        content block it leaves partial match the next turn's too); without, the prompt's
+        full blocks are keyed as :meth:`keys` keys them and the rest are the request's own."""
+        memo = self._context_memo.get(req)
+        if memo is not None and len(memo) == num_tokens // self.block_size:
+            return memo
+        n = num_tokens // self.block_size
+        if self.context is not None:
+            keys = self._keys(req, self.context[req], n)
+        else:
+            prompt = self.keys(req, min(prompt_len, num_tokens))
+            keys = prompt + self._keys(req, (), n)[len(prompt):]
+        self._context_memo[req] = keys
+        return keys
+
+    def _keys(self, req: int, hashes: tuple[int, ...], n: int) -> list[int]:
+        """Keys of blocks ``0 .. n-1`` under content ``hashes`` (the request's own past them)."""
+        B = self.block_size
+        k = np.arange(n, dtype=np.int64)
+        own = -(req * KEY_STRIDE + k) - 1
         if hashes:
             chain = np.array(self._chain_ids(hashes), dtype=np.int64)
             c1 = ((k + 1) * B - 1) // self.hash_size
@@ -69,11 +99,11 @@ class PrefixKeys:
         else:
             out = own
         keys: list[int] = out.tolist()
-        self._memo[req] = keys
         return keys
 
     def forget(self, req: int) -> None:
         self._memo.pop(req, None)
+        self._context_memo.pop(req, None)
 
 
 def with_system_prompt(trace: Trace, system_prompt_len: int) -> Trace:

@@ -5,7 +5,8 @@ engine advances such a stretch in one go (``_jump``): step times, the
 time-weighted memory split and any paged block allocations of up to thousands of
 steps come out of a few numpy calls, and SimPy sees one timeout. It stops short
 of any step where something else could happen (an arrival that could be
-admitted, a completion, a queue timeout, a failed block allocation), and those
+admitted, a completion, a queue timeout, a failed block allocation, a chunk that
+an offload tier stores (:mod:`fragsim.decode_stores`)), and those
 steps run through the same code as ``exact_steps`` mode, which runs every step on
 its own. Both modes see bit-identical step times and make the same decisions, so
 their summaries agree (tests compare them).
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from fragsim import decode_stores
 from fragsim.kv.protocol import Rows
 
 if TYPE_CHECKING:
@@ -62,7 +64,8 @@ def plan(engine: Engine) -> Plan | None:
     """How many uneventful decode steps may run at once, and their times (None: none).
 
     Stops before the first completion, the first step that starts once the next
-    servable request has arrived (when nothing waits) and the first queue timeout.
+    servable request has arrived (when nothing waits), the first queue timeout and,
+    with decode stores, the first step that completes a chunk to store.
     Memory may shorten it further (the KV manager's :meth:`stretch`).
     """
     b, cfg = engine.batch, engine.cfg
@@ -97,6 +100,9 @@ def plan(engine: Engine) -> Plan | None:
     g = engine.g
     # Stop before the first completion: row r completes when g reaches final − offset.
     k = min(b.end_min() - g - 1, cfg.max_jump_steps)
+    before = decode_stores.steps_before(engine)  # a step that completes a chunk to store runs alone
+    if before is not None:
+        k = min(k, before)
     if k <= 0:
         return None
     ctx0 = b.offset_sum() + n * g

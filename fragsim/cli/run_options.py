@@ -125,7 +125,8 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-offloading-store-threshold", type=positive_int, default=1, metavar="N",
                    help="store a block only once it was offered N times (default 1: always)")
     g.add_argument("--kv-offloading-prompt-only", action=argparse.BooleanOptionalAction, default=True,
-                   help="store prompt blocks only (default on; storing decode blocks is not modelled)")
+                   help="store prompt blocks only (default on); --no-kv-offloading-prompt-only also "
+                        "stores the blocks generated tokens complete (native, lmcache)")
     g.add_argument("--kv-offloading-backend", choices=("native", "lmcache", "lazy"), default="native",
                    help="native: vLLM's eager stores of whole blocks; lmcache: LMCache-style 256-token "
                         "chunks under LRU, the partial last chunk stored too; lazy: a block is stored "

@@ -214,6 +214,7 @@ class PrefillSide:
     """The connector of a prefill instance (see the module docstring)."""
 
     host_pool = None
+    decode_chunk = None   # stores nothing of its own
     sends_kv = True  # what it holds is KV waiting to be read (the split's sending part)
 
     def __init__(self, link: KVLink, index: int, hand_off: Callable[[int, int, float], None],
@@ -284,6 +285,7 @@ class DecodeSide:
     """The connector of a decode instance (see the module docstring)."""
 
     host_pool = None
+    decode_chunk = None   # stores nothing of its own
     sends_kv = False
 
     def __init__(self, link: KVLink, index: int, requests: Any,

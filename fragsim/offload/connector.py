@@ -65,14 +65,12 @@ from typing import Any
 import simpy
 
 from fragsim.connector import HeldBlocks
+from fragsim.offload.keys import ChunkKeys
 from fragsim.offload.level import Level
 from fragsim.offload.spec import GIB, OffloadSpec
 from fragsim.offload.transfer import Transfer, next_done, run
-from fragsim.prefix import KEY_STRIDE, PrefixKeys
+from fragsim.prefix import PrefixKeys
 from fragsim.traces import Trace
-
-#: keys of partial last chunks (lmcache) live above every key PrefixKeys makes
-_TAIL_KEYS = 1 << 62
 
 
 class OffloadConnector:
@@ -105,7 +103,12 @@ class OffloadConnector:
                               spec.disk.policy, 1, self.chunk_bytes)
             self.levels.append(self.disk)
         # The lazy backend's keys are the GPU prefix cache's own (it stores what the GPU evicts).
-        self.keys = gpu_keys if spec.backend == "lazy" and gpu_keys is not None else PrefixKeys(trace, self.chunk)
+        prefix = gpu_keys if spec.backend == "lazy" and gpu_keys is not None else PrefixKeys(trace, self.chunk)
+        self.keys = ChunkKeys(prefix, trace.output_len, spec.backend == "lmcache", not spec.prompt_only)
+        #: decode stores (``--no-kv-offloading-prompt-only``): chunks that generated tokens
+        #: complete are stored too (:mod:`fragsim.decode_stores`)
+        self.decode_chunk: int | None = None if spec.prompt_only else self.chunk
+        self._tail_due: set[int] = set()             # decode stores: lmcache tails not yet offered
         self.queries = 0                             # tokens looked up past the GPU hit
         self.hits = 0
         self.loads: list[float] = []                 # each load's time from admission to landing
@@ -148,22 +151,6 @@ class OffloadConnector:
 
     # -------------------------------------------------------------- admission
 
-    def _prompt_keys(self, req: int, prompt: int) -> list[int]:
-        keys = self.keys.keys(req, prompt)
-        if self.backend == "lmcache" and prompt % self.chunk:
-            keys = [*keys, self._tail_key(keys, req, prompt)]
-        return keys
-
-    def _tail_key(self, keys: list[int], req: int, prompt: int) -> int:
-        """A partial last chunk's key: equal for prompts of equal content and length. A
-        prompt whose content hashes cover its end has a shared tail; otherwise its own."""
-        hashes = self.keys.hashes
-        covered = hashes is not None and len(hashes[req]) * self.keys.hash_size >= prompt
-        if not covered:
-            return _TAIL_KEYS + req * KEY_STRIDE + prompt % KEY_STRIDE
-        assert hashes is not None
-        return _TAIL_KEYS + (hash((tuple(hashes[req]), prompt)) & (_TAIL_KEYS - 1)) // 2
-
     def _walk(self, keys: Sequence[int], first: int, last: int) -> tuple[list[Level], bool]:
         """The tier each of ``keys[first:last]`` is found in, up to the first miss, and
         whether one of them is still being written (resident, not yet readable)."""
@@ -181,15 +168,17 @@ class OffloadConnector:
 
     def _hit_end(self, num_keys: int, prompt: int, context: int, gpu_hit: int, hits: int) -> int:
         """Where a run of ``hits`` chunks from the GPU hit ends, in tokens (0: no hit):
-        at most the request's tokens, and at least one chunk past the GPU hit."""
-        end = min(context, num_keys * self.chunk, prompt, (gpu_hit // self.chunk + hits) * self.chunk)
+        at most the request's prompt (with decode stores, its tokens), and at least one
+        chunk past the GPU hit."""
+        limit = context if self.decode_chunk is not None else min(context, prompt)
+        end = min(limit, num_keys * self.chunk, (gpu_hit // self.chunk + hits) * self.chunk)
         return end if end - gpu_hit >= self.chunk else 0
 
     def probe(self, req: int, prompt: int, context: int, gpu_hit: int) -> int | None:
         """Tokens the tiers hold past the GPU hit of ``gpu_hit`` tokens (0: none), or None
         when a chunk of that run is still being written: vLLM's scheduler then skips the
         request this step (the lookup is deferred)."""
-        keys = self._prompt_keys(req, prompt)
+        keys = self.keys.lookup(req, prompt, context)
         first = gpu_hit // self.chunk
         last = min(-(-context // self.chunk), len(keys))
         source, pending = self._walk(keys, first, last)
@@ -208,8 +197,11 @@ class OffloadConnector:
         brings its KV (:class:`~fragsim.connector.MultiConnector`); its chunks are stored
         as they are computed or arrive."""
         self.now = now
-        keys = self._prompt_keys(req, prompt)
+        keys = self.keys.lookup(req, prompt, context)
         first = gpu_hit // self.chunk
+        if req not in self._next_store and self.decode_chunk is not None \
+                and self.backend == "lmcache" and prompt % self.chunk:
+            self._tail_due.add(req)
         self._next_store.setdefault(req, first)
         self.queries += context - gpu_hit
         if not load:
@@ -230,10 +222,9 @@ class OffloadConnector:
             if not picked:
                 continue
             ks = [key for _, key in picked]
-            n = sum(min(end, i * self.chunk + self._chunk_len(i, prompt)) - max(gpu_hit, i * self.chunk)
-                    for i, _ in picked)
+            n = sum(min(end, (i + 1) * self.chunk) - max(gpu_hit, i * self.chunk) for i, _ in picked)
             level.tier.counters.hits += len(ks)
-            level.pin(req, ks, now, keys)
+            level.pin(req, ks, now, self.keys.access(req, prompt))
             level.stats.hits += n
             phases = [(self._link(), n * self.link_seconds_per_token)]
             if level is self.disk:
@@ -255,22 +246,50 @@ class OffloadConnector:
     # ----------------------------------------------------------------- stores
 
     def store(self, req: int, prompt: int, computed: int, now: float) -> None:
-        """Offer the prompt chunks the first ``computed`` tokens complete (end of a step)."""
+        """Offer the chunks the first ``computed`` tokens complete (end of a step): the
+        prompt's, and with decode stores the output's too."""
         if self.backend == "lazy":
             return
-        keys = self._prompt_keys(req, prompt)
+        if self.decode_chunk is not None:
+            self._store_context(req, prompt, computed, now)
+            return
+        keys = self.keys.prompt(req, prompt)
         done = min(computed, prompt)
         full = done // self.chunk if done < prompt else len(keys)  # lmcache: the tail at the end
         first = self._next_store.get(req, 0)
         if full <= first:
             return
         self._next_store[req] = full
-        offered = keys[first:full]
         fills = {keys[i]: self._chunk_len(i, prompt) / self.chunk for i in range(first, full)}
+        self._offer(req, keys[first:full], fills, now, keys)
+
+    def _store_context(self, req: int, prompt: int, computed: int, now: float) -> None:
+        """Decode stores: every full chunk of the first ``computed`` tokens, prompt or
+        output (lmcache: and the prompt's partial last chunk once the prompt is done)."""
+        keys = self.keys.access(req, prompt)
+        full_keys = self.keys.context(req, prompt)
+        first = self._next_store.get(req, 0)
+        full = min(computed // self.chunk, len(full_keys))
+        offered = full_keys[first:full]
+        fills: dict[int, float] = {}
+        if req in self._tail_due and computed >= prompt:
+            self._tail_due.discard(req)
+            tail = keys[prompt // self.chunk]
+            fills[tail] = (prompt % self.chunk) / self.chunk
+            offered.insert(max(prompt // self.chunk - first, 0), tail)
+        if not offered:
+            return
+        self._next_store[req] = max(first, full)
+        self._offer(req, offered, fills, now, keys)
+
+    def _offer(self, req: int, offered: list[int], fills: dict[int, float], now: float,
+               keys: list[int]) -> None:
+        """The CPU tier takes ``offered`` all or none (``fills``: a partial chunk's share of
+        its tokens, 1 when absent); what it takes is written over the host link."""
         stored = self.cpu.store(req, offered, fills, now, keys)
         if not stored:
             return
-        tokens = sum(round(fills[key] * self.chunk) for key in stored)
+        tokens = sum(round(fills.get(key, 1.0) * self.chunk) for key in stored)
         self._pending_stores[req] = self._pending_stores.get(req, 0) + 1
         self._start(Transfer("store", req, stored, tokens,
                              [(self._link(), tokens * self.link_seconds_per_token)], now, self.cpu))
@@ -296,6 +315,7 @@ class OffloadConnector:
         for level in self.levels:
             level.finish(req)
         self._next_store.pop(req, None)
+        self._tail_due.discard(req)
         if self.backend != "lazy":  # the lazy backend's keys are the GPU cache's
             self.keys.forget(req)
 

@@ -66,9 +66,10 @@ class OffloadSpec:
                              f"--kv-offloading-block-size must be the GPU block size {gpu_block}, got {chunk}")
         if self.store_threshold < 1:
             raise ValueError(f"--kv-offloading-store-threshold must be >= 1, got {self.store_threshold}")
-        if not self.prompt_only:
-            raise ValueError("--no-kv-offloading-prompt-only: storing decode blocks is not "
-                             "modelled yet; tiers store prompt blocks only")
+        if not self.prompt_only and self.backend == "lazy":
+            raise ValueError("--no-kv-offloading-prompt-only is an option of vLLM's OffloadingConnector "
+                             "(native, lmcache); the lazy backend has none: it stores what the GPU "
+                             "prefix cache evicts")
         if self.disk is not None:
             self.disk.check()
 

@@ -15,6 +15,12 @@ Invariants, checked when a :class:`Trace` is built::
                  [k * block_hash_size, (k + 1) * block_hash_size) with its k-th hash)
     session      None, or int64 with every value >= 0: the conversation each row
                  belongs to (equal ids, same session; the ids need not be dense)
+    context_hashes
+                 None, or one tuple per row (with block_hashes): the content ids of the
+                 row's prompt and output together, as the conversation that goes on
+                 from it sees them (a block the row leaves partial has the id it has
+                 once full). Session traces have them; they key decode blocks
+                 (:mod:`fragsim.prefix`)
 
 The arrays are made read-only, so slices of one trace may share memory with it
 without one caller's edit showing up in another's simulation.
@@ -84,6 +90,7 @@ class Trace:
     block_hash_size: int | None = None
     has_timestamps: bool = True
     session: np.ndarray | None = None
+    context_hashes: list[tuple[int, ...]] | None = None
     _num_rows: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +116,11 @@ class Trace:
                 raise ValueError(f"Trace block_hashes has {len(self.block_hashes)} rows, not {n}")
             if self.block_hash_size is None or self.block_hash_size < 1:
                 raise ValueError("Trace block_hash_size must be >= 1 when block_hashes is given")
+        if self.context_hashes is not None:
+            if self.block_hashes is None:
+                raise ValueError("Trace context_hashes needs block_hashes")
+            if len(self.context_hashes) != n:
+                raise ValueError(f"Trace context_hashes has {len(self.context_hashes)} rows, not {n}")
         if self.session is not None:
             object.__setattr__(self, "session", _session_ids(self.session, n))
         object.__setattr__(self, "arrival_s", arrival)

@@ -14,6 +14,12 @@ id in every later turn; the partial last block of a prompt gets an id of its own
 any block that mixes the system prompt and the session's first message. Full
 blocks inside the system prompt have ids shared by all sessions.
 
+Each turn also carries the ids of its prompt and output together as the
+conversation holds them (the trace's ``context_hashes``): a block the turn leaves
+partial has the id the block gets once a later prompt fills it, so a block of
+generated tokens keys equal to the same block of the next turn's prompt
+(:mod:`fragsim.prefix`; decode stores of an offload tier hit on it).
+
 What is drawn, each from its own stream of one seed:
 
 - sessions start as a Poisson process at ``session_rate`` per second;
@@ -123,10 +129,12 @@ def make_sessions(spec: SessionSpec) -> Sessions:
     H, S = MOONCAKE_BLOCK_SIZE, spec.system_prompt_len
     fresh = itertools.count(S // H)  # ids below S // H: the system prompt's full blocks
     rows: list[tuple[float, int, int, tuple[int, ...], int, int]] = []
+    conversations: list[list[int]] = []  # per session, the ids of its full blocks so far
     at = 0
     for s in range(n):
         time, context = float(starts[s]), S
         full_ids: list[int] = list(range(S // H))  # ids of this session's full blocks so far
+        conversations.append(full_ids)
         for t in range(int(turns[s])):
             if t:
                 time += float(gaps[at + t - 1])
@@ -148,6 +156,25 @@ def make_sessions(spec: SessionSpec) -> Sessions:
               f"think={spec.think_time_s:g}s,lengths={spec.lengths},system={S},seed={spec.seed}")
     trace = Trace("sessions", source, np.asarray(arrival), np.asarray(prompt_len),
                   np.asarray(output_len), block_hashes=hashes, block_hash_size=H,
-                  session=np.asarray(session, dtype=np.int64))
+                  session=np.asarray(session, dtype=np.int64),
+                  context_hashes=_conversation_ids(conversations, prompt_len, output_len, session, fresh))
     assert trace.session is not None
     return Sessions(trace, trace.session, np.asarray(turn, dtype=np.int64))
+
+
+def _conversation_ids(conversations: list[list[int]], prompt_len: list[int], output_len: list[int],
+                      session: list[int], fresh: itertools.count[int]) -> list[tuple[int, ...]]:
+    """Each turn's content ids over its prompt and output, as the conversation holds them:
+    a block that a later turn's prompt fills has that turn's id; the blocks past the last
+    prompt's full ones get ids of their own (drawn after every prompt's, so the prompts'
+    ids are those of a trace without them)."""
+    H = MOONCAKE_BLOCK_SIZE
+    total: dict[int, int] = {}
+    for s, p, o in zip(session, prompt_len, output_len, strict=True):
+        total[s] = max(total.get(s, 0), p + o)
+    for s in sorted(total):
+        ids = conversations[s]
+        while len(ids) < -(-total[s] // H):
+            ids.append(next(fresh))
+    return [tuple(conversations[s][: -(-(p + o) // H)])
+            for s, p, o in zip(session, prompt_len, output_len, strict=True)]

@@ -66,6 +66,7 @@ def slice_trace(
         output_len=trace.output_len[lo:hi],
         block_hashes=None if trace.block_hashes is None else trace.block_hashes[lo:hi],
         session=None if trace.session is None else trace.session[lo:hi],
+        context_hashes=None if trace.context_hashes is None else trace.context_hashes[lo:hi],
     )
 
 
@@ -109,11 +110,13 @@ def scale_load(trace: Trace, copies: int, seed: int = 0) -> Trace:
     offsets = np.concatenate(([0.0], np.random.default_rng(seed).uniform(0.0, gap, copies - 1)))
     arrival = np.concatenate([trace.arrival_s + off for off in offsets])
     order = np.argsort(arrival, kind="stable")
-    hashes = None
+    hashes = context = None
     if trace.block_hashes is not None:
-        stride = 1 + max((max(h) for h in trace.block_hashes if h), default=0)
-        merged = [tuple(x + j * stride for x in h) for j in range(copies) for h in trace.block_hashes]
-        hashes = [merged[i] for i in order.tolist()]
+        rows = trace.block_hashes + (trace.context_hashes or [])
+        stride = 1 + max((max(h) for h in rows if h), default=0)
+        hashes = _copied_hashes(trace.block_hashes, copies, stride, order)
+        if trace.context_hashes is not None:
+            context = _copied_hashes(trace.context_hashes, copies, stride, order)
     session = None if trace.session is None else _copied_sessions(trace.session, copies)[order]
     return dataclasses.replace(
         trace,
@@ -124,7 +127,16 @@ def scale_load(trace: Trace, copies: int, seed: int = 0) -> Trace:
         output_len=np.tile(trace.output_len, copies)[order],
         block_hashes=hashes,
         session=session,
+        context_hashes=context,
     )
+
+
+def _copied_hashes(hashes: list[tuple[int, ...]], copies: int, stride: int,
+                   order: np.ndarray) -> list[tuple[int, ...]]:
+    """``copies`` copies of each row's content ids, copy ``j``'s shifted by ``j × stride``,
+    in ``order``."""
+    merged = [tuple(x + j * stride for x in h) for j in range(copies) for h in hashes]
+    return [merged[i] for i in order.tolist()]
 
 
 def _copied_sessions(session: np.ndarray, copies: int) -> np.ndarray:
