@@ -15,9 +15,12 @@ admission                after the GPU prefix-cache hit, :meth:`~OffloadConnecto
                          lands (``WAITING_FOR_REMOTE_KVS``), then prefills the rest. A load
                          of the whole prompt leaves its last token to compute again.
 end of a step            :meth:`~OffloadConnector.store` offers the prompt chunks the step
-                         completed (eager stores, prompt only); the CPU tier takes them all
-                         or none, evicting idle chunks by its policy, never one being read
-                         or written.
+                         completed (eager stores); the CPU tier takes them all or none,
+                         evicting idle chunks by its policy, never one being read or
+                         written. With decode stores (``--no-kv-offloading-prompt-only``)
+                         the chunks decode tokens completed are offered too
+                         (:mod:`fragsim.decode_stores`), keyed as
+                         :mod:`fragsim.offload.keys` says.
 a request finishes       its GPU blocks stay held until its stores land (vLLM 0.33 frees
                          them at once but fences their reuse until the stores land: the
                          same bytes are unusable meanwhile)
@@ -34,7 +37,9 @@ Backends (``--kv-offloading-backend``)
                 eagerly; a cached GPU block is copied to the tier when the GPU prefix
                 cache evicts it (needs ``--prefix-caching``; chunks are GPU blocks). A
                 block evicted in a stretch of decode steps is stored from the stretch's
-                start, and the GPU reuses the block at once.
+                start, and the GPU reuses the block at once. It has no
+                ``--no-kv-offloading-prompt-only`` (vLLM's simple connector has no such
+                option): refused by name.
 
 A disk tier (``--kv-offloading-disk-size``) sits below the CPU tier, written through:
 every chunk that lands in the CPU tier is then written to disk (not pinned meanwhile).
@@ -52,9 +57,8 @@ runs same-time events in.
 
 Where a tier's chunk slots go over time is :mod:`fragsim.offload.level`'s.
 
-Not modelled: decode-token stores (prompt only), load timeouts and a cap on
-loading requests, and a request preempted while loading leaves its load running
-(its chunks are unpinned when it lands).
+Not modelled: load timeouts and a cap on loading requests, and a request preempted
+while loading leaves its load running (its chunks are unpinned when it lands).
 """
 
 from __future__ import annotations
