@@ -61,7 +61,7 @@ def simulate(trace: Any, allocator_name: str, spec: RunSpec,
              cost: Any = None) -> RunResult:
     """One run; with ``spec.instances > 1`` a cluster of them behind ``spec.router``
     (:func:`fragsim.cluster.run_cluster`, whose result reads the same)."""
-    if spec.instances > 1 or spec.prefill_instances or spec.decode_instances:
+    if spec.instances > 1 or spec.prefill_instances or spec.decode_instances or spec.kv_transfer_layerwise:
         from fragsim.cluster import run_cluster
 
         return run_cluster(trace, allocator_name, spec, spec.instances, spec.router,  # type: ignore[return-value]

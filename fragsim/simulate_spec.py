@@ -74,6 +74,7 @@ class RunSpec:
     decode_instances: int = 0
     kv_transfer_bandwidth_gbps: float = 25.0  # GB/s per GPU (each its own NIC)
     kv_transfer_latency_ms: float = 1.0       # base latency of one transfer
+    kv_transfer_layerwise: bool = False       # push each layer's KV as the prefill computes it
     pd_threshold: int = 0                 # prompts with fewer uncached tokens skip the prefill pool
     # What the router sees (fragsim.cluster.view) and how prefix-aware weighs it
     router_weights: tuple[float, float, float] = (2.0, 1.0, 1.0)  # prefix share, queue, KV use

@@ -153,6 +153,10 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
                    help="the prefill-to-decode link, per GPU (each its own NIC): GB/s (default 25)")
     g.add_argument("--kv-transfer-latency-ms", type=nonnegative_float, default=1.0, metavar="MS",
                    help="base latency of one KV transfer (default 1)")
+    g.add_argument("--kv-transfer-layerwise", action="store_true",
+                   help="push each layer's KV as the prefill computes it, so the transfer overlaps "
+                        "the prefill; the decode instance reserves the KV first, before the prefill "
+                        "runs (default: pulled once the prefill has ended)")
     g.add_argument("--pd-threshold", type=nonnegative_int, default=0, metavar="TOKENS",
                    help="a prompt with fewer uncached tokens (by the router's estimate) skips the "
                         "prefill pool and runs whole, on a mixed instance or its decode instance "
@@ -226,6 +230,7 @@ def spec_from_args(args: argparse.Namespace) -> Any:
         decode_instances=getattr(args, "decode_instances", 0),
         kv_transfer_bandwidth_gbps=getattr(args, "kv_transfer_bandwidth", 25.0),
         kv_transfer_latency_ms=getattr(args, "kv_transfer_latency_ms", 1.0),
+        kv_transfer_layerwise=getattr(args, "kv_transfer_layerwise", False),
         pd_threshold=getattr(args, "pd_threshold", 0),
         router_weights=getattr(args, "router_weights", (2.0, 1.0, 1.0)),
         router_snapshot_ms=getattr(args, "router_snapshot_ms", 0.0),

@@ -78,6 +78,7 @@ class Settings:
     router_weights: tuple[float, float, float] = (2.0, 1.0, 1.0)
     router_snapshot_ms: float = 0.0
     router_kv_events_ms: float | None = None
+    kv_transfer_layerwise: bool = False
 
 
 def run_cluster(trace: Any, allocator_name: str, spec: Any, num_instances: int, router: str,
@@ -91,7 +92,7 @@ def run_cluster(trace: Any, allocator_name: str, spec: Any, num_instances: int, 
     members = [Member(role, role, spec, allocator_name) for role in roles]
     settings = Settings(router, slo_ttft_s, slo_tpot_s, spec.kv_transfer_bandwidth_gbps,
                         spec.kv_transfer_latency_ms, spec.pd_threshold, spec.router_weights,
-                        spec.router_snapshot_ms, spec.router_kv_events_ms)
+                        spec.router_snapshot_ms, spec.router_kv_events_ms, spec.kv_transfer_layerwise)
     return run_members(trace, members, settings, allocator_name, progress, check)
 
 
@@ -109,8 +110,11 @@ def run_members(trace: Any, members: list[Member], settings: Settings, label: st
     block = _one_block_size(members)
     keys = PrefixKeys(trace, block) if any(m.spec.prefix_caching for m in members) else None
     disaggregated = "prefill" in roles
+    if settings.kv_transfer_layerwise and not disaggregated:
+        raise FragsimError("--kv-transfer-layerwise: needs a prefill/decode split (--prefill-instances "
+                           "and --decode-instances)")
     if disaggregated:
-        _refuse_with_disaggregation(members)
+        _refuse_with_disaggregation(members, settings)
         # A prefill instance runs each prompt and its first token only (max_tokens=1).
         prompts_only = replace(trace, output_len=np.ones(len(trace), dtype=np.int64))
     engines = [make_engine(prompts_only if m.role == "prefill" else trace, m.allocator, m.spec,
@@ -198,7 +202,7 @@ def _report_progress(engines: list[Any], roles: list[str], progress: Callable[[i
         engine.progress = report
 
 
-def _refuse_with_disaggregation(members: list[Member]) -> None:
+def _refuse_with_disaggregation(members: list[Member], settings: Settings) -> None:
     from fragsim.simulate import is_hybrid_manager
 
     hybrid = {is_hybrid_manager(m.allocator) for m in members}
@@ -218,6 +222,9 @@ def _refuse_with_disaggregation(members: list[Member]) -> None:
         if spec.batching == "static":
             raise FragsimError("--batching static with --prefill-instances: disaggregation needs "
                                "continuous batching")
+        if settings.kv_transfer_layerwise and spec.queue_timeout_s is not None:
+            raise FragsimError("--queue-timeout with --kv-transfer-layerwise: a push's two sides "
+                               "would have to cancel each other's reservations, not modelled")
 
 
 def _wire_disaggregation(env: simpy.Environment, trace: Any, members: list[Member], settings: Settings,
@@ -231,9 +238,10 @@ def _wire_disaggregation(env: simpy.Environment, trace: Any, members: list[Membe
         raise FragsimError(f"model: the prefill and decode pools serve different models "
                            f"({', '.join(sorted(models))}); a decode instance reads the KV a prefill made")
     token_bytes = [_model_gpu(m.spec)[0].kv_bytes_per_token_per_gpu(m.spec.tp) * m.spec.tp for m in members]
+    layers = [_model_gpu(m.spec)[0].num_layers for m in members] if settings.kv_transfer_layerwise else None
     try:
         link = KVLink(settings.kv_transfer_bandwidth_gbps * 1e9, settings.kv_transfer_latency_ms / 1e3,
-                      token_bytes, [m.spec.tp for m in members], members[0].spec.block_size)
+                      token_bytes, [m.spec.tp for m in members], members[0].spec.block_size, layers)
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
     link.bind(env, len(engines))
@@ -249,6 +257,18 @@ def _wire_disaggregation(env: simpy.Environment, trace: Any, members: list[Membe
             receiver.poke()
         _UrgentTimeout(env, now - env.now).callbacks.append(deliver)
 
+    def push(req: int, sender: int, index: int) -> bool:
+        """At ``req``'s arrival: its decode instance gets it now, to reserve before its
+        prefill runs on ``sender``; False (pulled instead): either side refuses it."""
+        receiver = engines[index]
+        if not (engines[sender].requests.servable[req] and receiver.requests.servable[req]):
+            return False
+        link.senders[sender].expect_push(req)
+        receiver.requests.hand_in(req)
+        link.receivers[index].expect(req, sender, push=True)
+        receiver.poke()
+        return True
+
     for i, (role, engine) in enumerate(zip(pools.roles, engines, strict=True)):
         link.pokes[i] = engine.poke
         engine.requests.route_as_they_come()
@@ -261,7 +281,8 @@ def _wire_disaggregation(env: simpy.Environment, trace: Any, members: list[Membe
         if side is not None:  # the transfer first, then an offload tier (as llm-d stacks them)
             engine.connector = side if engine.connector is None else MultiConnector([side, engine.connector])
     env.process(route_disaggregated(env, np.asarray(trace.arrival_s), np.asarray(trace.prompt_len),
-                                    engines, pools, settings.pd_threshold, _UrgentTimeout))
+                                    engines, pools, settings.pd_threshold, _UrgentTimeout,
+                                    push if settings.kv_transfer_layerwise else None))
     return link
 
 

@@ -8,6 +8,7 @@
     slo_tpot_s = 0.1
     kv_transfer_bandwidth_gbps = 25.0   # prefill -> decode link, GB/s per GPU
     kv_transfer_latency_ms = 1.0
+    kv_transfer_layerwise = false # push each layer's KV as the prefill computes it
     pd_threshold = 256            # fewer uncached prompt tokens: served whole
 
     [workload]                    # the trace: RunSpec's trace fields
@@ -50,7 +51,7 @@ WORKLOAD_KEYS = ("trace", "rate", "arrival", "cv", "num_requests", "time_window_
 #: RunSpec fields of a cluster as a whole (set in [cluster], or fixed by the pools)
 CLUSTER_ONLY = ("instances", "router", "slo_ttft_s", "slo_tpot_s", "prefill_instances",
                 "decode_instances", "kv_transfer_bandwidth_gbps", "kv_transfer_latency_ms",
-                "pd_threshold")
+                "kv_transfer_layerwise", "pd_threshold")
 _POOL_KEYS = ("name", "role", "count", "allocator")
 #: what a pool starts from, as ``fragsim run`` does (max_seq_len: the model's context)
 BASE = {"model": "llama-3.1-8b", "gpu": "h100-80gb", "cost_model": "auto"}

@@ -65,6 +65,7 @@ from typing import Any
 
 import simpy
 
+from fragsim.cluster.layerwise import Stream, run_push
 from fragsim.connector import HeldBlocks
 from fragsim.request_table import REFUSED
 
@@ -84,7 +85,8 @@ class Handoff:
     ready: float                # when the decode side reserved its blocks and asked
     latency: float
     start: float | None = None  # when it held both ports
-    end: float | None = None    # known once it holds both ports
+    end: float | None = None    # known once it holds both ports (a push: for its last piece)
+    stream: Stream | None = None  # a layer-wise push's pieces (None: pulled at once)
 
 
 def _next_done(jobs: Any) -> float | None:
@@ -97,15 +99,17 @@ class KVLink:
     """The instances' ports and the transfers between them (see the module docstring)."""
 
     def __init__(self, bandwidth: float, latency_s: float, token_bytes: list[int], tp: list[int],
-                 block_size: int) -> None:
+                 block_size: int, num_layers: list[int] | None = None) -> None:
         """``token_bytes``: one token's KV on each instance, every GPU together; ``tp``:
-        each instance's GPUs."""
+        each instance's GPUs; ``num_layers``: each instance's layers, for layer-wise pushes
+        (:mod:`fragsim.cluster.layerwise`; None: every transfer is pulled)."""
         if bandwidth <= 0:
             raise ValueError(f"--kv-transfer-bandwidth must be > 0, got {bandwidth / 1e9:g} GB/s")
         if latency_s < 0:
             raise ValueError(f"--kv-transfer-latency-ms must be >= 0, got {latency_s * 1e3:g}")
         self.bandwidth, self.latency = bandwidth, latency_s
         self.token_bytes, self.tp, self.block = token_bytes, tp, block_size
+        self.num_layers = num_layers
         self.env: simpy.Environment | None = None
         self.ports: list[simpy.Resource] = []
         self.senders: dict[int, PrefillSide] = {}
@@ -126,7 +130,32 @@ class KVLink:
         ``payload``: (what the receiver reserved, in its KV manager's unit; bytes of every
         GPU by layer kind), where a hybrid KV manager placed only what each kind needs;
         None: every layer's whole blocks, ``tokens`` slots reserved."""
+        job = self._job(req, sender, receiver, tokens, now, payload)
+        self.senders[sender].jobs[req] = job
+        self.process(self._run(job))
+        return job
+
+    def push(self, req: int, sender: int, receiver: int, tokens: int, now: float,
+             payload: tuple[int, dict[str, int]] | None, first: int) -> Handoff:
+        """As :meth:`send`, for positions ``[first, first + tokens)`` that the prefill
+        instance ``sender`` will push layer by layer as it computes them (it has not
+        started: it waited for this reservation)."""
+        job = self._job(req, sender, receiver, tokens, now, payload)
+        # A hybrid model's full-attention bytes stream with the prompt; the rest go last.
+        streamed = job.by_kind.get("full", 0) if job.by_kind else job.bytes
+        assert self.env is not None
+        job.stream = Stream(simpy.Store(self.env), first, first + tokens, float(streamed),
+                            float(job.bytes - streamed))
+        self.senders[sender].reserved(req, job)
+        self.process(run_push(self, job))
+        return job
+
+    def process(self, gen: Generator[simpy.Event, Any, None]) -> None:
         assert self.env is not None, "bind() the link first"
+        self.env.process(gen)
+
+    def _job(self, req: int, sender: int, receiver: int, tokens: int, now: float,
+             payload: tuple[int, dict[str, int]] | None) -> Handoff:
         by_kind: dict[str, int] = {}
         if payload is None:
             moved = -(-tokens // self.block) * self.block
@@ -135,11 +164,8 @@ class KVLink:
             (units, by_kind), size = payload, sum(payload[1].values())
         # Each GPU its own NIC: as many move at once as the smaller side has.
         lanes = min(self.tp[sender], self.tp[receiver])
-        job = Handoff(req, sender, receiver, tokens, size, units, by_kind, size / (lanes * self.bandwidth),
-                      now, self.latency)
-        self.senders[sender].jobs[req] = job
-        self.env.process(self._run(job))
-        return job
+        return Handoff(req, sender, receiver, tokens, size, units, by_kind, size / (lanes * self.bandwidth),
+                       now, self.latency)
 
     def drop(self, req: int, sender: int, now: float) -> None:
         """The decode side refused ``req``: its prefill side frees its copy unread."""
@@ -168,7 +194,11 @@ class KVLink:
         if job.receiver < 0:
             self.dropped += 1
             return
-        self.duplicated += job.units * ((job.end - job.start) / 2 + (now - job.end))
+        if job.stream is None:
+            self.duplicated += job.units * ((job.end - job.start) / 2 + (now - job.end))
+        else:  # each piece at an even rate over its own time on the ports
+            self.duplicated += sum(job.units * size / job.bytes * ((end - start) / 2 + (now - end))
+                                   for start, end, size in job.stream.spans)
         self.done.append(job)
 
     def table(self) -> Any:
@@ -225,12 +255,24 @@ class PrefillSide:
         link.senders[index] = self
         self.held = HeldBlocks()
         self.jobs: dict[int, Handoff] = {}  # req -> its transfer, once the decode side asked
+        self.awaiting: set[int] = set()     # pushes whose decode side has not reserved yet
+        self.pushes: dict[int, Handoff] = {}  # pushes reserved, until their prefill ends
         self.env: simpy.Environment | None = None
         self.now = 0.0
 
     @property
     def busy(self) -> bool:
-        return bool(self.held)
+        return bool(self.held) or bool(self.awaiting)
+
+    def expect_push(self, req: int) -> None:
+        """``req`` runs here once its decode side has reserved (:meth:`reserved`)."""
+        self.awaiting.add(req)
+
+    def reserved(self, req: int, job: Handoff) -> None:
+        """``req``'s decode side reserved its blocks: its prefill may run and push."""
+        self.awaiting.remove(req)
+        self.pushes[req] = job
+        self.link.pokes[self.index]()
 
     def pending_at_end(self) -> bool:
         return bool(self.held)  # its copies must last until they are read
@@ -240,14 +282,27 @@ class PrefillSide:
         self.now = float(env.now)
 
     def probe(self, req: int, prompt: int, context: int, gpu_hit: int) -> int | None:
-        return 0  # nothing comes in here
+        """Nothing comes in here; a push waits for its decode side's reservation."""
+        return None if req in self.awaiting else 0
 
     def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float,
                    load: bool = True) -> int:
+        """A push starts: what this instance had cached is ready now."""
+        job = self.pushes.get(req)
+        if job is not None:
+            assert job.stream is not None and job.stream.pos is None, "a push's prefill ran twice"
+            job.stream.feed(gpu_hit, now, 0.0)
         return 0
 
     def store(self, req: int, prompt: int, computed: int, now: float) -> None:
+        """A push sends what this step computed, layer by layer over the step (it
+        started at the environment's time: an engine runs ahead to its step's end)."""
         self.now = now
+        job = self.pushes.get(req)
+        if job is not None:
+            assert job.stream is not None and self.env is not None
+            start = float(self.env.now)
+            job.stream.feed(computed, start, now - start)
 
     def must_hold(self, req: int) -> bool:
         return True  # every request here hands its KV on
@@ -256,9 +311,12 @@ class PrefillSide:
         if self.keep is not None:
             self.keep(seq, req)
         self.held.hold(req, seq)
+        if req in self.pushes:
+            self.jobs[req] = self.pushes.pop(req)
 
     def finish(self, req: int, now: float) -> None:
-        self.hand_off(req, self.index, now)
+        if req not in self.jobs:  # a push is under way already
+            self.hand_off(req, self.index, now)
 
     def poll(self, now: float, free: Callable[[int], Any]) -> tuple[list[int], bool]:
         """Free the copies whose transfers landed by ``now``."""
@@ -276,9 +334,11 @@ class PrefillSide:
 
     def check(self) -> None:
         assert all(req in self.held for req in self.jobs), "a transfer from blocks no longer held"
+        assert not self.awaiting & set(self.pushes), "a push both reserved and waiting for it"
 
     def close(self, now: float) -> None:
         assert not self.held, "a prefill instance ended with copies unread"
+        assert not self.awaiting and not self.pushes, "a prefill instance ended with pushes not run"
 
 
 class DecodeSide:
@@ -295,6 +355,7 @@ class DecodeSide:
         self.link, self.index, self.requests, self.payload = link, index, requests, payload
         link.receivers[index] = self
         self.remote: dict[int, int] = {}      # req -> its prefill instance, until admitted
+        self.pushed: set[int] = set()         # of those, the ones it pushes layer by layer
         self.loading: dict[int, Handoff] = {}
         self.env: simpy.Environment | None = None
         self.now = 0.0
@@ -310,9 +371,12 @@ class DecodeSide:
         self.env = env
         self.now = float(env.now)
 
-    def expect(self, req: int, sender: int) -> None:
-        """``req``'s prompt ran on instance ``sender``; its KV is there."""
+    def expect(self, req: int, sender: int, push: bool = False) -> None:
+        """``req``'s prompt ran on instance ``sender``; its KV is there (``push``: its
+        prompt runs there once this side has reserved, and its KV comes layer by layer)."""
         self.remote[req] = sender
+        if push:
+            self.pushed.add(req)
 
     def probe(self, req: int, prompt: int, context: int, gpu_hit: int) -> int | None:
         """What its prefill side holds past the prefix hit (the transfer starts once the
@@ -333,7 +397,11 @@ class DecodeSide:
         tokens = context - gpu_hit
         assert tokens > 0, "a prefix hit always leaves the last token to compute"
         payload = self.payload(req, gpu_hit, context) if self.payload is not None else None
-        self.loading[req] = self.link.send(req, sender, self.index, tokens, now, payload)
+        if req in self.pushed:
+            self.pushed.remove(req)
+            self.loading[req] = self.link.push(req, sender, self.index, tokens, now, payload, gpu_hit)
+        else:
+            self.loading[req] = self.link.send(req, sender, self.index, tokens, now, payload)
         return tokens
 
     def poll(self, now: float, free: Callable[[int], Any]) -> tuple[list[int], bool]:
@@ -342,6 +410,7 @@ class DecodeSide:
         self.now = now
         status = self.requests.status
         for req in [req for req in self.remote if status[req] == REFUSED]:
+            assert req not in self.pushed, "a push is routed only where both sides serve it"
             self.link.drop(req, self.remote.pop(req), now)
         ready = [req for req, job in self.loading.items() if job.end is not None and job.end <= now]
         for req in ready:  # reserved until now, when the engine fills the blocks
@@ -366,6 +435,7 @@ class DecodeSide:
 
     def check(self) -> None:
         assert not set(self.remote) & set(self.loading), "a request both expected and loading"
+        assert self.pushed <= set(self.remote), "a push expected but not remote"
 
     def close(self, now: float) -> None:
         assert not self.loading, "a decode instance ended with transfers in flight"

@@ -74,9 +74,11 @@ class Pools:
 
 def route_disaggregated(env: simpy.Environment, arrival: np.ndarray, prompt: np.ndarray,
                         engines: Sequence[Any], pools: Pools, threshold: int,
-                        urgent: Any):  # type: ignore[no-untyped-def]
+                        urgent: Any, push: Any = None):  # type: ignore[no-untyped-def]
     """At each arrival, first of everything at that time: its decode instance, then
-    where its prompt runs (see the module docstring)."""
+    where its prompt runs (see the module docstring). ``push(req, prefill, decode)``:
+    the decode instance gets the request now, for a layer-wise push
+    (:mod:`fragsim.cluster.layerwise`); False: it gets it when its prefill ends."""
     for req, t in enumerate(arrival.tolist()):
         if t > env.now:
             yield urgent(env, t - env.now)
@@ -95,9 +97,10 @@ def route_disaggregated(env: simpy.Environment, arrival: np.ndarray, prompt: np.
         p = pools.pick("prefill", req, engines)
         engines[p].requests.route(req)
         pools.routed("prefill", req, p, engines)
-        pools.decode_of[req] = d
-        engines[d].requests.num_expected += 1  # its load, as the router counts it
         pools.num_disaggregated += 1
+        if push is None or not push(req, p, d):
+            pools.decode_of[req] = d
+            engines[d].requests.num_expected += 1  # its load, as the router counts it
         engines[p].poke()
     for i, engine in enumerate(engines):
         if pools.roles[i] != "decode":  # a decode instance gets hand-ins until every prefill ends
