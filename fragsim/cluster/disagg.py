@@ -51,10 +51,10 @@ unscheduled; the lease runs out only when a decode instance stops answering. Ins
 here do not fail, so a copy lives until it is read, or until its decode side refuses
 the request (:meth:`KVLink.drop`).
 
-Not modelled: layer-wise overlap of the transfer with the prefill (vLLM's
-NixlConnector pulls the KV once the prefill has ended; overlap needs a push flow whose
-decode side reserves before the prefill runs), and a hybrid manager's prefix cache
-under disaggregation (refused by name).
+Layer-wise overlap (``--kv-transfer-layerwise``) is a push flow instead, whose decode
+side reserves before the prefill runs and whose prefill pushes each layer's KV as it
+computes it (:mod:`fragsim.cluster.layerwise`). Not modelled: a hybrid manager's prefix
+cache under disaggregation (refused by name).
 """
 
 from __future__ import annotations

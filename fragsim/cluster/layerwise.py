@@ -9,7 +9,11 @@ admits it as any other request (its FCFS order, limits and room rule that), plac
 blocks the transfer fills. The prefill instance skips the request at admission until
 that reservation exists: with the decode pool full, the prefill waits. A request either
 instance can never serve (too long, too large for its pool) goes by the pull flow, whose
-refusals free what was held (:mod:`fragsim.cluster.disagg`).
+refusals free what was held (:mod:`fragsim.cluster.disagg`). Reserving at arrival
+rather than at the prefill's admission keeps the decode pool under its own scheduler,
+at its own steps, as for any request; the price is that the blocks are held while the
+request waits in the prefill queue too, and that a prefill starts no sooner than the
+decode instance's next step.
 
 What the link carries and when. A prefill step computes its layers one after another,
 each in ``1/L`` of the step (``L`` layers). Every chunk of a prompt streams as computed,
@@ -26,8 +30,11 @@ sends one layer after another, so with the link free from ``F`` its last byte la
 (the latest of ``t + lat + j·dt/L + (L - j + 1)·s/L`` over ``j`` is at ``j = 1`` or
 ``j = L``). Each chunk holds the sender's then the receiver's port for its ``s`` seconds
 only, the last ``s`` before ``F'``: another transfer may use the ports in between, and a
-chunk that finds them taken starts when they free (``F'`` = then + ``s``). One prompt in
-one step on an idle link, ``W`` seconds of bytes::
+chunk that finds them taken starts when they free (``F'`` = then + ``s``). A piece never
+starts before that window, even on idle ports: a NIC interleaving several pushes would
+send their layers meanwhile, so under a loaded link this is pessimistic. Every layer
+carries the same share of a piece (for a hybrid model, an average over its kinds).
+One prompt in one step on an idle link, ``W`` seconds of bytes::
 
     TTFT = lat + max(prefill + W/L, prefill/L + W) + first step
 
