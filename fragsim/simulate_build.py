@@ -72,21 +72,27 @@ def make_allocator(name: str, capacity: int, spec: RunSpec) -> Any:
 
 
 def make_offload(trace: Any, allocator_name: str, spec: RunSpec, model: Any, gpu: Any,
-                 gpu_keys: Any = None) -> Any:
-    """The CPU tier a spec asks for (:mod:`fragsim.offload.connector`), or an error naming
-    what it cannot run with."""
+                 kv: Any = None) -> Any:
+    """The CPU tier a spec asks for (:mod:`fragsim.offload.connector`) over the engine's KV
+    (``kv``), or an error naming what it cannot run with."""
     from fragsim.allocators import PRESETS
     from fragsim.offload.connector import OffloadConnector
+    from fragsim.offload.groups import FULL_GROUP, TierGroup
     from fragsim.offload.spec import DiskSpec, OffloadSpec
 
     placement = PRESETS[allocator_name][0] if allocator_name in PRESETS else allocator_name
+    hybrid = is_hybrid_manager(allocator_name)
+    rows: tuple[Any, ...] = getattr(getattr(kv, "manager", None), "rows", ()) if hybrid else ()
+    state = [r.label for r in rows if r.is_state]
     why = None
-    if is_hybrid_manager(allocator_name):
-        why = ("offload tiers run over the dense paged pool in this release; vLLM 0.33 also offloads "
-               "hybrid models' groups (sliding windows looked up from the end, state layers "
-               "aligned), which fragsim does not model yet: run --allocator vllm (every layer "
-               "as full attention) to see a tier at all")
-    elif placement not in ("paged", "paged-shared"):
+    if hybrid and allocator_name != "vllm-hybrid":
+        why = ("a tier follows vLLM 0.33's offloading connector, which runs over vLLM's own "
+               "hybrid KV manager: use --allocator vllm-hybrid")
+    elif state:
+        why = (f"the state layers ({', '.join(state)}) are not modelled with a tier: vLLM 0.33 "
+               "offloads Mamba states in its 'align' cache mode, with checkpoint blocks, which "
+               "fragsim's prefix caching does not model either")
+    elif not hybrid and placement not in ("paged", "paged-shared"):
         why = f"a tier moves whole blocks, and {allocator_name!r} ({placement}) is not paged: use vllm or paged"
     elif spec.num_samples > 1 or spec.beam_width > 1:
         why = "parallel sampling and beam search are not modelled with a tier"
@@ -94,6 +100,8 @@ def make_offload(trace: Any, allocator_name: str, spec: RunSpec, model: Any, gpu
         why = "a tier needs continuous batching"
     elif spec.scheduler != "vllm-v1":
         why = f"a tier runs under today's scheduler (vllm-v1), not {spec.scheduler}"
+    elif hybrid and (len({r.block_bytes for r in rows}) > 1 or rows[0].block_bytes % kv.manager.block_size):
+        why = "the groups' blocks differ in size; vLLM's hybrid manager gives every group one page size"
     if why is not None:
         raise FragsimError(f"--kv-offloading-size with allocator {allocator_name!r}: {why}")
     assert spec.kv_offloading_size is not None
@@ -103,10 +111,21 @@ def make_offload(trace: Any, allocator_name: str, spec: RunSpec, model: Any, gpu
     offload = OffloadSpec(spec.kv_offloading_size, spec.kv_offloading_policy,
                           spec.kv_offloading_block_size, spec.kv_offloading_store_threshold,
                           spec.kv_offloading_prompt_only, spec.kv_offloading_backend, disk)
+    groups, per_token, block_tokens = FULL_GROUP, model.kv_bytes_per_token_per_gpu(spec.tp), spec.block_size
+    placed_from: Callable[[int, int], int] | None = None
+    if hybrid:
+        # Every group's chunk is one page a block (vLLM's hybrid manager pads them equal),
+        # so each takes one chunk slot of the tier and moves its page's bytes.
+        manager = kv.manager
+        groups = tuple(TierGroup(r.kind, r.window, r.chunk) for r in rows)
+        block_tokens = manager.block_size
+        per_token = rows[0].block_bytes // block_tokens
+
+        def placed_from(req: int, g: int) -> int:
+            return int(manager.first_block(req, g)) * block_tokens
     try:
-        connector = OffloadConnector(trace, offload, spec.block_size,
-                                     model.kv_bytes_per_token_per_gpu(spec.tp), spec.tp,
-                                     gpu.pcie_bandwidth, gpu_keys)
+        connector = OffloadConnector(trace, offload, block_tokens, per_token, spec.tp,
+                                     gpu.pcie_bandwidth, _gpu_keys(kv), groups, placed_from)
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
     for level in connector.levels:
@@ -174,7 +193,7 @@ def make_engine(trace: Any, allocator_name: str, spec: RunSpec,
     except ValueError as exc:
         raise FragsimError(str(exc)) from None
     if spec.kv_offloading_size is not None:
-        tier = make_offload(trace, allocator_name, spec, model, gpu, _gpu_keys(engine.kv))
+        tier = make_offload(trace, allocator_name, spec, model, gpu, engine.kv)
         tier.watch(getattr(engine.kv, "alloc", None))
         engine.connector = tier
     return engine

@@ -119,7 +119,7 @@ def test_the_tier_split_holds_at_every_step_under_pressure(policy: str, prefix_c
 
 
 @pytest.mark.parametrize(("allocator", "extra", "word"), [
-    ("vllm-hybrid", {}, "hybrid"),
+    ("static-partition", {}, "vllm-hybrid"),
     ("orca-max", {}, "not paged"),
     ("vllm", {"num_samples": 2}, "sampling"),
 ])

@@ -5,15 +5,14 @@ connector's scheduler side (``vllm/distributed/kv_transfer/kv_connector/v1/offlo
 
 =======================  =================================================================
 admission                after the GPU prefix-cache hit, :meth:`~OffloadConnector.probe`
-                         walks the request's prompt chunks from the chunk the GPU hit ends
-                         in until the first chunk no tier holds. A chunk still being
-                         written counts, but defers the request: it is skipped this step
-                         (vLLM's ``HIT_PENDING``). A run of less than one chunk past the
-                         GPU hit is no hit. Once the admission placed the request's blocks,
-                         :meth:`~OffloadConnector.start_load` pins the run in its tiers and
-                         loads it; the request waits, holding its blocks, until every load
-                         lands (``WAITING_FOR_REMOTE_KVS``), then prefills the rest. A load
-                         of the whole prompt leaves its last token to compute again.
+                         looks the prompt's chunks up past it (:mod:`fragsim.offload.groups`;
+                         a dense model: to the first chunk no tier holds). A chunk still
+                         being written counts, but defers the request a step (vLLM's
+                         ``HIT_PENDING``); less than a chunk is no hit. Once its blocks
+                         are placed, :meth:`~OffloadConnector.start_load` pins and loads
+                         the run; the request waits, holding its blocks, until every load
+                         lands (``WAITING_FOR_REMOTE_KVS``), then prefills the rest (a whole
+                         prompt's last token is computed again).
 end of a step            :meth:`~OffloadConnector.store` offers the prompt chunks the step
                          completed (eager stores); the CPU tier takes them all or none,
                          evicting idle chunks by its policy, never one being read or
@@ -41,15 +40,20 @@ Backends (``--kv-offloading-backend``)
                 ``--no-kv-offloading-prompt-only`` (vLLM's simple connector has no such
                 option): refused by name.
 
+A hybrid model (``--allocator vllm-hybrid``) keys every chunk once per KV cache group;
+a store offers a chunk in every group at once, each in a slot of its own (vLLM pads every
+group's block to one page), and a load brings each group the chunks of the blocks the
+manager placed (a sliding layer's: its window's).
+
 A disk tier (``--kv-offloading-disk-size``) sits below the CPU tier, written through:
 every chunk that lands in the CPU tier is then written to disk (not pinned meanwhile).
 A lookup takes a chunk from the CPU tier if it is ready there, else from disk;
 a disk chunk is read into a bounce buffer and goes over the host link, and is not
 promoted into the CPU tier. Each tier evicts by its own policy.
 
-Transfers queue for SimPy resources, first come, first served: the host link (one
-per GPU; loads and stores share it; ``n`` tokens take ``n ×
-kv_bytes_per_token_per_gpu / pcie_bandwidth`` seconds) and the disk's I/O threads
+Transfers queue for SimPy resources, first come, first served: the host link (one per
+GPU; loads and stores share it; ``n`` tokens take ``n × bytes per token per GPU / PCIe
+bandwidth`` seconds) and the disk's I/O threads
 (``--kv-offloading-disk-threads`` jobs at once, each at that share of the read or
 write bandwidth). A transfer's end is known once its last phase holds its
 resource, so :meth:`~OffloadConnector.poll` decides by time, whatever order SimPy
@@ -69,6 +73,8 @@ from typing import Any
 import simpy
 
 from fragsim.connector import HeldBlocks
+from fragsim.offload import groups as tier_groups
+from fragsim.offload.groups import FULL_GROUP, TierGroup, hit_spans, hit_tokens, load_plan, serve
 from fragsim.offload.keys import ChunkKeys
 from fragsim.offload.level import Level
 from fragsim.offload.spec import GIB, OffloadSpec
@@ -83,8 +89,12 @@ class OffloadConnector:
 
     def __init__(self, trace: Trace, spec: OffloadSpec, gpu_block: int,
                  kv_bytes_per_token_per_gpu: int, tp: int, bandwidth: float,
-                 gpu_keys: PrefixKeys | None = None) -> None:
+                 gpu_keys: PrefixKeys | None = None, groups: Sequence[TierGroup] = FULL_GROUP,
+                 placed_from: Callable[[int, int], int] | None = None) -> None:
         spec.check(gpu_block)
+        if len(groups) > 1 and spec.backend != "native":
+            raise ValueError(f"the {spec.backend} backend keeps one chunk list a request; a hybrid "
+                             f"model's groups are offloaded by the native backend")
         if bandwidth <= 0:
             raise ValueError(f"host link bandwidth must be > 0 B/s, got {bandwidth}")
         if spec.backend == "lazy" and gpu_keys is None:
@@ -92,6 +102,11 @@ class OffloadConnector:
                              "it needs --prefix-caching")
         self.spec = spec
         self.backend = spec.backend
+        #: the KV cache groups, each chunk of each stored apart (a dense model: one, full)
+        self.groups = tuple(groups)
+        self.windowed = any(not g.is_full for g in self.groups)
+        #: (request, group) -> the first token position the KV manager placed a block for
+        self.placed_from = placed_from
         self.gpu_block = gpu_block
         self.chunk = spec.chunk_tokens(gpu_block)
         self.token_bytes = kv_bytes_per_token_per_gpu * tp   # one token, every GPU of the instance
@@ -108,7 +123,8 @@ class OffloadConnector:
             self.levels.append(self.disk)
         # The lazy backend's keys are the GPU prefix cache's own (it stores what the GPU evicts).
         prefix = gpu_keys if spec.backend == "lazy" and gpu_keys is not None else PrefixKeys(trace, self.chunk)
-        self.keys = ChunkKeys(prefix, trace.output_len, spec.backend == "lmcache", not spec.prompt_only)
+        self.keys = ChunkKeys(prefix, trace.output_len, spec.backend == "lmcache", not spec.prompt_only,
+                              len(self.groups))
         #: decode stores (``--no-kv-offloading-prompt-only``): chunks that generated tokens
         #: complete are stored too (:mod:`fragsim.decode_stores`)
         self.decode_chunk: int | None = None if spec.prompt_only else self.chunk
@@ -155,43 +171,33 @@ class OffloadConnector:
 
     # -------------------------------------------------------------- admission
 
-    def _walk(self, keys: Sequence[int], first: int, last: int) -> tuple[list[Level], bool]:
-        """The tier each of ``keys[first:last]`` is found in, up to the first miss, and
-        whether one of them is still being written (resident, not yet readable)."""
-        source: list[Level] = []
-        pending = False
-        for key in keys[first:last]:
-            level = next((lv for lv in self.levels if lv.ready(key)), None)
-            if level is None:
-                if not any(key in lv.tier.state for lv in self.levels):
-                    break
-                pending = True  # vLLM: HIT_PENDING counts, and the lookup is deferred
-                level = self.cpu
-            source.append(level)
-        return source, pending
+    def _source(self, key: int) -> Level | None:
+        """The tier a chunk is read from: the highest that holds it ready (None: none)."""
+        return next((lv for lv in self.levels if lv.ready(key)), None)
 
-    def _hit_end(self, num_keys: int, prompt: int, context: int, gpu_hit: int, hits: int) -> int:
-        """Where a run of ``hits`` chunks from the GPU hit ends, in tokens (0: no hit):
-        at most the request's prompt (with decode stores, its tokens), and at least one
-        chunk past the GPU hit."""
-        limit = context if self.decode_chunk is not None else min(context, prompt)
-        end = min(limit, num_keys * self.chunk, (gpu_hit // self.chunk + hits) * self.chunk)
-        return end if end - gpu_hit >= self.chunk else 0
+    def _state(self, key: int, ready_only: bool) -> str:
+        if self._source(key) is not None:
+            return tier_groups.HIT
+        held = not ready_only and any(key in lv.tier.state for lv in self.levels)
+        return tier_groups.PENDING if held else tier_groups.MISS  # pending: vLLM's HIT_PENDING
+
+    def _lookup(self, keys: Sequence[int], prompt: int, context: int, gpu_hit: int,
+                ready_only: bool = False) -> int | None:
+        """Tokens past the GPU hit the tiers hold (:func:`~fragsim.offload.groups.hit_tokens`;
+        a model with a window stops a token short); ``ready_only``: a chunk still being
+        written counts as missing."""
+        bound = context if self.decode_chunk is not None else min(context, prompt)  # decode stores: every token
+        limit = min(bound - self.windowed, len(keys) * self.chunk)  # a window stops a token short
+        tokens, looked = hit_tokens(self.groups, self.chunk, gpu_hit, limit,
+                                    lambda g, i: self._state(self.keys.key(keys[i], g), ready_only))
+        for level in self.levels:
+            level.tier.counters.lookups += looked
+        return tokens
 
     def probe(self, req: int, prompt: int, context: int, gpu_hit: int) -> int | None:
-        """Tokens the tiers hold past the GPU hit of ``gpu_hit`` tokens (0: none), or None
-        when a chunk of that run is still being written: vLLM's scheduler then skips the
-        request this step (the lookup is deferred)."""
-        keys = self.keys.lookup(req, prompt, context)
-        first = gpu_hit // self.chunk
-        last = min(-(-context // self.chunk), len(keys))
-        source, pending = self._walk(keys, first, last)
-        for level in self.levels:
-            level.tier.counters.lookups += min(len(source) + 1, max(last - first, 0))
-        if pending:
-            return None
-        end = self._hit_end(len(keys), prompt, context, gpu_hit, len(source))
-        return end - gpu_hit if end else 0
+        """Tokens the tiers hold past the GPU hit of ``gpu_hit`` tokens (0: none), or None: a
+        chunk the answer rests on is still being written, and the request waits a step."""
+        return self._lookup(self.keys.lookup(req, prompt, context), prompt, context, gpu_hit)
 
     def start_load(self, req: int, prompt: int, context: int, gpu_hit: int, now: float,
                    load: bool = True) -> int:
@@ -210,30 +216,30 @@ class OffloadConnector:
         self.queries += context - gpu_hit
         if not load:
             return 0
-        last = min(-(-context // self.chunk), len(keys))
-        source, pending = self._walk(keys, first, last)
-        if pending:  # admission evicted (lazy stores): keep the ready run before it
-            source = source[: next(i for i, key in enumerate(keys[first:first + len(source)])
-                                   if not source[i].ready(key))]
-        end = self._hit_end(len(keys), prompt, context, gpu_hit, len(source))
-        tokens = end - gpu_hit if end else 0
+        # Ready chunks only: the admission may have evicted (lazy stores) since the probe.
+        tokens = self._lookup(keys, prompt, context, gpu_hit, ready_only=True) or 0
         if tokens <= 0:
             return 0
+        end = gpu_hit + tokens
+        placed = [0 if g.is_full or self.placed_from is None else self.placed_from(req, i)
+                  for i, g in enumerate(self.groups)]
+        bound = context if self.decode_chunk is not None else min(context, prompt)
+        plan = load_plan(self.groups, self.chunk, self.gpu_block, gpu_hit, end, bound, placed)
+        served = serve(plan, hit_spans(self.chunk, gpu_hit, end), lambda g, i: self.keys.key(keys[i], g),
+                       self._source)
+        access = self.keys.of_groups(self.keys.access(req, prompt))
         jobs: list[Transfer] = []
         for level in self.levels:
-            picked = [(i, keys[i]) for i, lv in enumerate(source, start=first)
-                      if lv is level and i * self.chunk < end]
-            if not picked:
+            if level not in served:
                 continue
-            ks = [key for _, key in picked]
-            n = sum(min(end, (i + 1) * self.chunk) - max(gpu_hit, i * self.chunk) for i, _ in picked)
+            ks, moved, hit = served[level]
             level.tier.counters.hits += len(ks)
-            level.pin(req, ks, now, self.keys.access(req, prompt))
-            level.stats.hits += n
-            phases = [(self._link(), n * self.link_seconds_per_token)]
+            level.pin(req, ks, now, access)
+            level.stats.hits += hit
+            phases = [(self._link(), moved * self.link_seconds_per_token)]
             if level is self.disk:
-                phases.insert(0, (self._io(), self._disk_seconds(n, read=True)))
-            jobs.append(Transfer("load", req, ks, n, phases, now, level))
+                phases.insert(0, (self._io(), self._disk_seconds(moved, read=True)))
+            jobs.append(Transfer("load", req, ks, moved, phases, now, level))
         self._next_store[req] = max(self._next_store[req], end // self.chunk)
         self.hits += tokens
         self._loading[req] = jobs
@@ -288,8 +294,10 @@ class OffloadConnector:
 
     def _offer(self, req: int, offered: list[int], fills: dict[int, float], now: float,
                keys: list[int]) -> None:
-        """The CPU tier takes ``offered`` all or none (``fills``: a partial chunk's share of
-        its tokens, 1 when absent); what it takes is written over the host link."""
+        """The CPU tier takes ``offered`` all or none, in every group at once (``fills``: a
+        partial chunk's share of its tokens, 1 when absent); what it takes is written over
+        the host link."""
+        offered, keys = self.keys.of_groups(offered), self.keys.of_groups(keys)
         stored = self.cpu.store(req, offered, fills, now, keys)
         if not stored:
             return

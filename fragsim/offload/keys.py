@@ -3,7 +3,8 @@
 Full chunks are keyed as the GPU prefix cache keys blocks (:class:`~fragsim.prefix.PrefixKeys`,
 built over the tier's chunk size). The lmcache backend stores a prompt's partial
 last chunk too, under a *tail* key: equal for prompts of equal content and length.
-With decode stores (``--no-kv-offloading-prompt-only``) the chunks of the output are
+A hybrid model's chunks are keyed once per KV cache group. With decode stores
+(``--no-kv-offloading-prompt-only``) the chunks of the output are
 keyed too, and every chunk by :meth:`~fragsim.prefix.PrefixKeys.context_keys`
 (a session turn's output chunks then equal the next turn's prompt chunks)::
 
@@ -26,8 +27,10 @@ TAIL_KEYS = 1 << 62
 class ChunkKeys:
     """A request's chunk keys for lookups, stores and the tiers' policies."""
 
-    def __init__(self, keys: PrefixKeys, output_len: np.ndarray, tails: bool, decode: bool) -> None:
+    def __init__(self, keys: PrefixKeys, output_len: np.ndarray, tails: bool, decode: bool,
+                 groups: int = 1) -> None:
         self.prefix = keys
+        self.groups = groups        # KV cache groups: a hybrid model keys each chunk per group
         self.chunk = keys.block_size
         self.output_len = output_len
         self.tails = tails          # lmcache: a prompt's partial last chunk is stored too
@@ -78,6 +81,16 @@ class ChunkKeys:
             return TAIL_KEYS + req * KEY_STRIDE + prompt % KEY_STRIDE
         assert hashes is not None
         return TAIL_KEYS + (hash((tuple(hashes[req]), prompt)) & (TAIL_KEYS - 1)) // 2
+
+    def key(self, key: int, group: int) -> int:
+        """A chunk's key in one KV cache group (one group: the chunk's own)."""
+        return key * self.groups + group if self.groups > 1 else key
+
+    def of_groups(self, keys: list[int]) -> list[int]:
+        """Each chunk's key in every group, chunk by chunk (one group: ``keys``)."""
+        if self.groups == 1:
+            return keys
+        return [key * self.groups + g for key in keys for g in range(self.groups)]
 
     def forget(self, req: int) -> None:
         self.prefix.forget(req)
