@@ -311,7 +311,7 @@ class Engine:
         if self.kv.shared_slots:
             stored -= self.duplicate_stored()
         if self.connector is not None:
-            held_stored, self.rec.held = self.kv.held_units(self.held) if self.held else (0, 0)
+            held_stored, self.rec.held = self.kv.held_units(self.held, self) if self.held else (0, 0)
             stored += held_stored
         self.kv.record(self.rec, self.now, dt, stored, self, self.num_running(),
                        len(self.waiting) + len(self.swapped))

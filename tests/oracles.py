@@ -130,3 +130,31 @@ def hybrid_split_by_position_check(engine: Any) -> None:
     fast = m.split(seqs, computed, receiving)
     slow = hybrid_split_by_position(m, seqs, computed, set(receiving[0].tolist()) if receiving is not None else ())
     assert (fast == slow).all(), f"split drifted:\n{fast}\n!=\n{slow}"
+
+
+def held_by_position_check(engine: Any) -> None:
+    """The split's part held for a connector (sequences kept past their requests) against
+    the block tables, as an engine check: per block, the positions any holder reads less
+    those a holder still running reads."""
+    m = engine.kv.manager
+    if not engine.held or not m.pool.keeps_ids:
+        return
+    length = dict(zip(engine.seqs().tolist(), engine.computed().tolist(), strict=True))
+    length.update(engine.held)
+    expect = 0
+    for i, row in enumerate(m.rows):
+        b = row.block_tokens
+        read_all: dict[int, np.ndarray] = {}
+        read_running: dict[int, np.ndarray] = {}
+        for seq, f in length.items():
+            lo, start = m.first_block(seq, i), row.rule.skipped(f)
+            for t, block in enumerate(m.pool.block_ids(seq, i)):
+                pos = np.arange((lo + t) * b, (lo + t + 1) * b)
+                reads = (pos >= start) & (pos < f)
+                read_all[block] = read_all.get(block, np.zeros(b, dtype=bool)) | reads
+                if seq not in engine.held:
+                    read_running[block] = read_running.get(block, np.zeros(b, dtype=bool)) | reads
+        expect += sum(int(r.sum()) - int(read_running.get(block, r & False).sum())
+                      for block, r in read_all.items()) * row.token_bytes
+    got = engine.kv.held_units(engine.held, engine)[1]
+    assert got == expect, f"held for a connector: {got} bytes, by position {expect}"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from oracles import hybrid_split_by_position_check
+from oracles import held_by_position_check, hybrid_split_by_position_check
 
 import fragsim.simulate as simulate_module
 from fragsim.errors import FragsimError
@@ -129,9 +129,6 @@ def test_hybrid_disaggregation_refuses_what_it_does_not_model(tmp_path: object) 
     from fragsim.cluster import run_members
     from fragsim.cluster.config import load_cluster
 
-    tr = one(100, 4)
-    with pytest.raises(FragsimError, match="--prefix-caching with allocator 'vllm-hybrid' and --prefill"):
-        simulate(tr, "vllm-hybrid", spec("gpt-oss-20b", prefix_caching=True))
     path = Path(str(tmp_path)) / "mixed.toml"
     path.write_text('[workload]\nnum_requests = 10\n[defaults]\nmodel = "gpt-oss-20b"\n'
                     '[[pools]]\nrole = "prefill"\nallocator = "vllm-hybrid"\n'
@@ -139,3 +136,31 @@ def test_hybrid_disaggregation_refuses_what_it_does_not_model(tmp_path: object) 
     config = load_cluster(path)
     with pytest.raises(FragsimError, match="either hybrid KV managers or dense allocators"):
         run_members(load_workload(config.workload), config.members, config.settings, config.label)
+
+
+def test_a_prefix_cache_on_both_sides_keeps_every_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss-20b under vLLM's hybrid manager with prefix caching on every instance:
+    prompts share their first 1,024 tokens, so the prefill side's finished requests,
+    held until read, share blocks with requests still running. The decode side moves
+    only what its own hit lacks. Every split, and the part held for transfers, is
+    rebuilt position by position at every step."""
+    make = simulate_module.make_engine
+
+    def checked(*args: object, **kw: object) -> object:
+        engine = make(*args, **kw)  # type: ignore[arg-type]
+        engine.checks += [hybrid_split_by_position_check, held_by_position_check]
+        return engine
+    monkeypatch.setattr(simulate_module, "make_engine", checked)
+    n = 60
+    trace = Trace("shared", "test", np.arange(n) * 0.03, np.full(n, 1800), np.full(n, 8),
+                  block_hashes=[(1, 2, 3 + i, 100 + i) for i in range(n)], block_hash_size=512)
+    run = spec("gpt-oss-20b", prefix_caching=True, kv_cache_memory_bytes=GiB // 2, instances=3,
+               decode_instances=2, step_time_s=0.01)
+    s = simulate(trace, "vllm-hybrid", run, check=True).summary
+    assert s["num_finished"] == n and s["num_kv_transfers"] == n
+    prefill, *decode = s["instances"]
+    assert prefill["prefix_cache_hits"] > 0 and all(d["prefix_cache_hits"] > 0 for d in decode)
+    # The decode side's own hit is not moved: less crosses than the prompts hold.
+    full = n * 1800 * per_token("gpt-oss-20b", "full")
+    assert s["kv_transfer_bytes_by_kind"]["full"] < full
+    assert s["kv_sending_frac"] > 0

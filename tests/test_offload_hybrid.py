@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from oracles import held_by_position_check, hybrid_split_by_position_check
 
 from fragsim.errors import FragsimError
 from fragsim.offload.groups import HIT, MISS, PENDING, TierGroup, hit_tokens
@@ -116,3 +117,17 @@ def test_what_vllm_does_not_offload_is_refused_by_name(allocator: str, kw: dict,
     trace = Trace("one", "test", np.array([0.0]), np.array([100]), np.array([2]))
     with pytest.raises(FragsimError, match=named):
         simulate(trace, allocator, spec(**kw))
+
+
+def test_blocks_held_for_stores_that_running_requests_share_are_theirs() -> None:
+    """Prompts that share 1,024 tokens and stop at once, with steps shorter than their
+    stores: finished requests are held for their stores while later ones run on the
+    blocks they share. What is held for stores is what would go with the held ones,
+    position by position at every step."""
+    n = 40
+    trace = Trace("shared", "test", np.arange(n) * 0.05, np.full(n, 1536), np.ones(n, dtype=np.int64),
+                  block_hashes=[(1, 2, 3 + i) for i in range(n)], block_hash_size=512)
+    engine = make_engine(trace, "vllm-hybrid", spec(prefix_caching=True, step_time_s=0.0005), check=True)
+    engine.checks += [hybrid_split_by_position_check, held_by_position_check]
+    engine.run()
+    assert engine.rec.peak_held() > 0 and engine.num_prefix_hits > 0

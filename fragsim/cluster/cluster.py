@@ -212,10 +212,6 @@ def _refuse_with_disaggregation(members: list[Member], settings: Settings) -> No
                            f"allocators on every instance, got {names}")
     for m in members:
         spec = m.spec
-        if spec.prefix_caching and is_hybrid_manager(m.allocator):
-            raise FragsimError(f"--prefix-caching with allocator {m.allocator!r} and --prefill-instances: "
-                               "a hybrid KV manager's prefix cache is not modelled under disaggregation "
-                               "in this release")
         if spec.scheduler != "vllm-v1":
             raise FragsimError(f"--scheduler {spec.scheduler} with --prefill-instances: disaggregation "
                                "runs under today's scheduler (vllm-v1)")

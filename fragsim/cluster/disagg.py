@@ -53,8 +53,7 @@ the request (:meth:`KVLink.drop`).
 
 Layer-wise overlap (``--kv-transfer-layerwise``) is a push flow instead, whose decode
 side reserves before the prefill runs and whose prefill pushes each layer's KV as it
-computes it (:mod:`fragsim.cluster.layerwise`). Not modelled: a hybrid manager's prefix
-cache under disaggregation (refused by name).
+computes it (:mod:`fragsim.cluster.layerwise`).
 """
 
 from __future__ import annotations

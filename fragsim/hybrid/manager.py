@@ -392,6 +392,14 @@ class HybridManager:
         stored (each read again; a state group's whole state)."""
         return self.basis.token_bytes(np.asarray(seqs, dtype=np.int64), np.asarray(computed, dtype=np.int64))
 
+    def held_only_bytes(self, held: dict[int, int], seqs: np.ndarray, computed: np.ndarray) -> int:
+        """Bytes of token states that go with the sequences ``held`` (kept past their
+        requests, with their stored lengths) among the live ``seqs``: a block they share
+        with a sequence still running is that one's."""
+        if not self.pool.shares_blocks:
+            return self.token_state_bytes(list(held), list(held.values()))
+        return self.pool.held_only_bytes(self.state, held, seqs, computed)  # type: ignore[attr-defined]
+
     def moved_bytes(self, seq_id: int, first: int, last: int) -> dict[str, int]:
         """The data bytes, per layer kind, of the blocks the sequence holds for positions
         ``[first, last)`` (each state group's state): what a transfer of those tokens

@@ -235,7 +235,7 @@ class DenseKV:
         self._refresh()
         return owned
 
-    def held_units(self, held: dict[int, int]) -> tuple[int, int]:
+    def held_units(self, held: dict[int, int], live: LiveView) -> tuple[int, int]:
         """(tokens the sequences ``held`` store, slots only they hold); ``held``: each
         sequence kept past its request's end, and its stored length."""
         stored = sum(held.values())

@@ -158,10 +158,10 @@ class HybridKV:
     def current_split(self, live: LiveView) -> np.ndarray:
         return self.manager.split(live.seqs(), live.computed(), live.receiving())
 
-    def held_units(self, held: dict[int, int]) -> tuple[int, int]:
+    def held_units(self, held: dict[int, int], live: LiveView) -> tuple[int, int]:
         """(tokens the sequences ``held`` store, bytes of token states only they hold);
         ``held``: each sequence kept past its request's end, and its stored length."""
-        return sum(held.values()), self.manager.token_state_bytes(list(held), list(held.values()))
+        return sum(held.values()), self.manager.held_only_bytes(held, live.seqs(), live.computed())
 
     def keep(self, seq: int, computed: int) -> None:
         """A finished sequence stays for its KV to be read elsewhere, from ``computed``

@@ -143,10 +143,11 @@ class KVManager(Protocol):
 
     def blocked_by_fragmentation(self, tokens: int) -> bool: ...
 
-    def held_units(self, held: dict[int, int]) -> tuple[int, int]:
-        """(tokens stored, units only they hold) of the sequences kept past their
-        request's end for a connector (``held``: sequence -> stored length): the
-        split's ``held`` part (:class:`fragsim.metrics.Recorder`)."""
+    def held_units(self, held: dict[int, int], live: LiveView) -> tuple[int, int]:
+        """(tokens stored, units only they hold, not shared with a sequence of ``live``
+        still running) of the sequences kept past their request's end for a connector
+        (``held``: sequence -> stored length): the split's ``held`` part
+        (:class:`fragsim.metrics.Recorder`)."""
 
     def room(self, seq: int) -> int: ...
 

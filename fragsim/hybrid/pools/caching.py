@@ -241,6 +241,34 @@ class CachingBlockPool(IdPool):
             out[i, TOKEN] -= (dup * group.block_tokens - excess) * group.token_bytes
             out[i, OUT_OF_WINDOW] -= excess * group.token_bytes
 
+    def held_only_bytes(self, state: SeqState, held: dict[int, int], seqs: np.ndarray,
+                        computed: np.ndarray) -> int:
+        """Bytes of token states that go with the sequences ``held`` (kept past their
+        requests, with their stored lengths) among the live ``seqs``: per block one of
+        them holds, the positions its holders read less those read by a holder not among
+        them (a shared block's token states are the most any one holder reads)."""
+        length = dict(zip(seqs.tolist(), computed.tolist(), strict=True))
+        length.update(held)
+        out = 0
+        for i, group in enumerate(self.groups):
+            lo_of = state.lo[state.shape_of[i]]
+            mine: dict[int, int] = {}                          # block -> the most a held one reads
+            holders: dict[int, int] = {}
+            for seq in held:
+                lo = int(lo_of[seq])
+                for t, block in enumerate(self._tables[seq][i]):
+                    mine[block] = max(mine.get(block, 0), _reads(group, lo, lo + t, length[seq]))
+                    holders[block] = holders.get(block, 0) + 1
+            shared = {block for block, n in holders.items() if self._ref[block] > n}
+            others: dict[int, int] = {}                        # block -> the most another reads
+            for seq in (s for s in length if s not in held and shared):
+                lo = int(lo_of[seq])
+                for t, block in enumerate(self._tables[seq][i]):
+                    if block in shared:
+                        others[block] = max(others.get(block, 0), _reads(group, lo, lo + t, length[seq]))
+            out += sum(max(0, n - others.get(block, 0)) for block, n in mine.items()) * group.token_bytes
+        return out
+
     def correct_steps(self, splits: np.ndarray) -> None:
         """:meth:`correct_split` of a stretch's steps (``[steps, groups + 1, categories]``),
         which :meth:`shared_limit` stops before any window reaches a shared block."""
@@ -292,3 +320,11 @@ class CachingBlockPool(IdPool):
             for key, blocks in cache.items():
                 assert blocks and all(self._key_of.get(b) == key and self._group_of[b] == i for b in blocks)
         assert sum(len(v) for c in self._cache for v in c.values()) == len(self._key_of)
+
+
+def _reads(group: Group, lo: int, block: int, computed: int) -> int:
+    """Positions of block ``block`` a sequence holding blocks from ``lo`` on, with
+    ``computed`` tokens stored, reads again (its token states there)."""
+    b, rule = group.block_tokens, group.rule
+    start = max(rule.skipped(computed), lo * b) if rule.frees else lo * b
+    return max(0, min((block + 1) * b, computed) - max(block * b, start))
