@@ -4,7 +4,9 @@ next turn finds them there; stretches stop at them; the lazy backend refuses."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,7 +15,8 @@ import pytest
 from fragsim.errors import FragsimError
 from fragsim.prefix import PrefixKeys
 from fragsim.simulate import RunSpec, make_engine, simulate
-from fragsim.traces import Trace
+from fragsim.traces import Trace, load_trace
+from fragsim.traces.loaders import save_mooncake
 from fragsim.traces.sessions import SessionSpec, make_sessions
 
 KV_BYTES = 131072            # llama-3.1-8b: 32 layers × 8 KV heads × 128 × 2 (K, V) × 2 bytes
@@ -182,3 +185,24 @@ def test_stretches_and_single_steps_agree_with_decode_stores() -> None:
 def test_the_lazy_backend_refuses_decode_stores_by_name() -> None:
     with pytest.raises(FragsimError, match="--no-kv-offloading-prompt-only.*lazy backend has none"):
         make_engine(one(40, 30), "vllm", spec(kv_offloading_backend="lazy", prefix_caching=True))
+
+
+def test_a_session_file_keeps_its_conversation_ids(tmp_path: Path) -> None:
+    """``fragsim trace sessions`` writes each turn's conversation ids beside its hash ids,
+    so a session trace read back from its file finds the answers in the tier as the
+    generated one does; a record without them, where others have them, is named."""
+    trace = make_sessions(SessionSpec(num_sessions=12, session_rate=2.0, system_prompt_len=700, seed=4)).trace
+    path = tmp_path / "sessions.jsonl"
+    save_mooncake(trace, path)
+    back = load_trace(path)
+    assert back.context_hashes == trace.context_hashes
+    run = spec(kv_offloading_prompt_only=False)
+    assert simulate(back, "vllm", run).summary["external_prefix_cache_hits"] == \
+        simulate(trace, "vllm", run).summary["external_prefix_cache_hits"] > 0
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[3])
+    del record["context_hash_ids"]
+    lines[3] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(FragsimError, match="line 4: field 'context_hash_ids': missing"):
+        load_trace(path)

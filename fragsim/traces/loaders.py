@@ -139,8 +139,10 @@ def save_mooncake(trace: Trace, path: str | os.PathLike[str],
                   extra: dict[str, Sequence[int] | np.ndarray] | None = None) -> None:
     """Write ``trace`` as Mooncake JSON lines (timestamps in whole milliseconds), atomically.
 
-    Session ids, when the trace has them, go in each record's ``session``. ``extra``
-    adds integer fields per record (e.g. a turn number); readers ignore them."""
+    Session ids, when the trace has them, go in each record's ``session``, and a
+    conversation's content ids over each turn's prompt and output (a session trace's
+    ``context_hashes``) in ``context_hash_ids``. ``extra`` adds integer fields per
+    record (e.g. a turn number); readers ignore them."""
     _check_hash_size(trace)
     columns: dict[str, list] = {
         "timestamp": np.rint(trace.arrival_s * 1000.0).astype(np.int64).tolist(),
@@ -151,8 +153,10 @@ def save_mooncake(trace: Trace, path: str | os.PathLike[str],
         columns["hash_ids"] = [list(h) for h in trace.block_hashes]
     if trace.session is not None:
         columns["session"] = trace.session.tolist()
+    if trace.context_hashes is not None:
+        columns["context_hash_ids"] = [list(h) for h in trace.context_hashes]
     for key, values in (extra or {}).items():
-        if key in columns or key in SESSION_KEYS:
+        if key in columns or key in SESSION_KEYS or key == "context_hash_ids":
             raise ValueError(f"extra field {key!r} would clash with the trace's own fields")
         columns[key] = [int(v) for v in values]
     keys = list(columns)
@@ -279,8 +283,29 @@ def _load_mooncake(path: Path, label: str, trace_name: str, source: str) -> Trac
     block_size = MOONCAKE_BLOCK_SIZE if hashes is not None else None
     seconds = arrival / 1000.0
     session = _mooncake_sessions(records, at)
+    context = _context_ids(records, prompt + output, hashes is not None, at)
     return _sorted_trace(trace_name, source, label, seconds, prompt, output, hashes, block_size,
-                         session)
+                         session, context)
+
+
+def _context_ids(records: list[dict[str, object]], total: np.ndarray, has_hashes: bool,
+                 at: col.Locator) -> list[tuple[int, ...]] | None:
+    """The records' ``context_hash_ids`` (a session trace's content ids over each turn's
+    prompt and output, one per 512 tokens), on every record or on none."""
+    key = "context_hash_ids"
+    if not any(key in r for r in records):
+        return None
+    cells = [r.get(key, _MISSING) for r in records]
+    bad = next((i for i, c in enumerate(cells) if type(c) is not list), None)
+    if bad is not None:
+        if cells[bad] is _MISSING:
+            raise FragsimError(f"{at.where(bad)}: field '{key}': missing (it goes on every record or on none)")
+        raise at.error(bad, key, "a list of integers", col.json_raw(cells)(bad))
+    if not has_hashes:
+        raise FragsimError(f"{at.where(0)}: field '{key}' needs 'hash_ids' on every record")
+    ids = col.hash_tuples(cast("list[list[object]]", cells), col.json_raw(cells), key, at)
+    col.hash_counts(ids, total, MOONCAKE_BLOCK_SIZE, key, "input_length + output_length", at)
+    return ids
 
 
 def _mooncake_sessions(records: list[dict[str, object]], at: col.Locator) -> np.ndarray | None:
@@ -347,6 +372,7 @@ def _sorted_trace(
     hashes: list[tuple[int, ...]] | None,
     block_hash_size: int | None,
     session: np.ndarray | None = None,
+    context: list[tuple[int, ...]] | None = None,
 ) -> Trace:
     """Sort rows by arrival (warning if they were not) and re-zero the arrival times."""
     num_out_of_order = int(np.count_nonzero(np.diff(arrival) < 0))
@@ -363,6 +389,8 @@ def _sorted_trace(
             hashes = [hashes[i] for i in order.tolist()]
         if session is not None:
             session = session[order]
+        if context is not None:
+            context = [context[i] for i in order.tolist()]
     return Trace(
         trace_name,
         source,
@@ -372,6 +400,7 @@ def _sorted_trace(
         block_hashes=hashes,
         block_hash_size=block_hash_size,
         session=session,
+        context_hashes=context,
     )
 
 
