@@ -37,7 +37,7 @@ def same_as_one_run(cluster: dict[str, object], one: dict[str, object]) -> None:
             assert got == value, (key, got, value)
 
 
-@pytest.mark.parametrize("router", ["round-robin", "least-loaded"])
+@pytest.mark.parametrize("router", ["round-robin", "random", "least-loaded"])
 def test_one_instance_behind_any_router_is_exactly_one_run(router: str) -> None:
     run = spec(kv_slots=30_000)  # a small pool: preemptions and queueing
     trace = load_workload(run)
@@ -136,3 +136,13 @@ def test_the_cli_prints_a_row_per_instance_and_json_carries_them(capsys: pytest.
     assert summary["num_instances"] == 3 and len(summary["instances"]) == 3
     assert summary["num_requests"] == 300 == sum(i["num_requests"] for i in summary["instances"])
     assert {"goodput_rps", "mean_ttft_s", "token_states_frac", "prefix_cache_hits"} <= set(summary)
+
+
+def test_the_random_router_draws_uniformly_and_the_same_every_run() -> None:
+    from fragsim.cluster.routers import Random
+
+    where = Random().assign(40_000, 8)
+    counts = np.bincount(where, minlength=8)
+    assert counts.min() > 4_700 and counts.max() < 5_300        # 5,000 each, give or take 3 σ
+    assert (Random().assign(40_000, 8) == where).all()
+    assert [Random().pick(r, [None] * 8) for r in range(50)] == where[:50].tolist()  # type: ignore[list-item]

@@ -161,9 +161,10 @@ def add_system_options(p: argparse.ArgumentParser) -> None:
                    help="a prompt with fewer uncached tokens (by the router's estimate) skips the "
                         "prefill pool and runs whole, on a mixed instance or its decode instance "
                         "(llm-d's decider; default 0: every prompt is split)")
-    g.add_argument("--router", choices=("round-robin", "least-loaded", "session", "prefix-aware"),
+    g.add_argument("--router", choices=("round-robin", "random", "least-loaded", "session", "prefix-aware"),
                    default="round-robin",
-                   help="how requests are spread: round-robin; least-loaded (4 × waiting + running, "
+                   help="how requests are spread: round-robin; random (uniform, the same draw every "
+                        "run); least-loaded (4 × waiting + running, "
                         "vLLM's data-parallel score); session (consistent hashing on the trace's "
                         "session ids); prefix-aware (llm-d style: the prompt's share "
                         "in the router's index of each instance's cache 2, queue 1, KV use 1; "

@@ -4,6 +4,10 @@
     Request ``i`` of the trace goes to instance ``i mod n``. It reads no state, so the
     whole trace is routed before the run and every instance replays its share at
     full speed (:meth:`RequestTable.route_all <fragsim.request_table.RequestTable.route_all>`).
+``random``
+    Request ``i`` goes to an instance drawn uniformly from a hash of ``i`` (the same
+    draw every run): the random baseline of the Mooncake paper's scheduling experiment.
+    Like round-robin it reads no state and routes the whole trace before the run.
 ``least-loaded``
     vLLM's data-parallel score, ``4 × waiting + running``, lowest wins (ties: the
     lowest index). Waiting counts the requests routed there that its engine has not
@@ -45,7 +49,7 @@ from fragsim.connector import parts
 if TYPE_CHECKING:
     from fragsim.engine import Engine
 
-ROUTERS = ("round-robin", "least-loaded", "session", "prefix-aware")
+ROUTERS = ("round-robin", "random", "least-loaded", "session", "prefix-aware")
 
 
 def _minmax(values: Sequence[float]) -> np.ndarray:
@@ -83,6 +87,24 @@ class RoundRobin(_NoEstimate):
 
     def routed(self, req: int, instance: int, engines: Sequence[Engine]) -> None:
         self.turn += 1
+
+
+class Random(_NoEstimate):
+    name = "random"
+    static = True
+
+    def assign(self, num_requests: int, num_instances: int) -> np.ndarray:
+        return self._draw(np.arange(num_requests, dtype=np.uint64), num_instances)
+
+    def pick(self, req: int, engines: Sequence[Engine]) -> int:
+        return int(self._draw(np.array([req], dtype=np.uint64), len(engines))[0])
+
+    @staticmethod
+    def _draw(reqs: np.ndarray, n: int) -> np.ndarray:
+        return (_mix(reqs + np.uint64(0x5EED)) % np.uint64(n)).astype(np.int64)
+
+    def routed(self, req: int, instance: int, engines: Sequence[Engine]) -> None:
+        pass
 
 
 class SessionAffinity(_NoEstimate):
@@ -238,6 +260,8 @@ def make_router(name: str, keys: Any, prompt: np.ndarray, engines: Sequence[Engi
     options = options or RouterOptions()
     if name == "round-robin":
         return RoundRobin()
+    if name == "random":
+        return Random()
     if name == "session":
         return SessionAffinity(session)
     if name == "least-loaded":
