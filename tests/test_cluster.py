@@ -116,7 +116,7 @@ def test_bad_cluster_settings_name_the_option() -> None:
     with pytest.raises(FragsimError, match="--instances"):
         run_cluster(trace, "vllm", run, 0, "round-robin")
     with pytest.raises(FragsimError, match="--router must be one of"):
-        run_cluster(trace, "vllm", run, 2, "random")
+        run_cluster(trace, "vllm", run, 2, "fastest")
     with pytest.raises(FragsimError, match="needs --prefix-caching"):
         run_cluster(trace, "vllm", run, 2, "prefix-aware")
 

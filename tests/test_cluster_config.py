@@ -85,7 +85,7 @@ def test_the_example_file_is_a_valid_cluster(tmp_path: Path, capsys: pytest.Capt
     (('gpu = "l4"', 'gpu = "l4"\nmax_num_seq = 3'), r"#3 max_num_seq: unknown parameter"),
     (('gpu = "l4"', 'gpu = "l4"\nrouter = "session"'), r"#3 router: a cluster setting"),
     (('name = "small"', 'name = "decode-a100"'), r"#3 name: 'decode-a100' names pool #2 already"),
-    (('router = "least-loaded"', 'router = "random"'), r"\[cluster\] router: expected one of"),
+    (('router = "least-loaded"', 'router = "fastest"'), r"\[cluster\] router: expected one of"),
     (('pd_threshold = 256', 'pd_threshold = 256\nbandwidth = 3'), r"\[cluster\] bandwidth: unknown key"),
     (('gpu = "l4"', 'gpu = "l4"\nmodel = "llama-3.1-70b"'), r"#3: .*llama-3.1-70b"),
     (('gpu = "l4"', 'gpu = "l4"\nallocator = "magic"'), r"#3 allocator: unknown allocator 'magic'"),
