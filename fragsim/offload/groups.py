@@ -76,31 +76,36 @@ def lookup_order(groups: Sequence[TierGroup], chunk: int) -> tuple[list[int], li
     return full, windows
 
 
-def _prefix_run(states: Sequence[str]) -> tuple[int, bool]:
-    """Consecutive held chunks from the first, and whether one of them is pending."""
+def _prefix_run(state: Callable[[int], str], first: int, last: int) -> tuple[int, bool, int]:
+    """Consecutive held chunks from ``first`` (before ``last``), whether one of them is
+    pending, and the chunks asked (up to the first miss)."""
     n, pending = 0, False
-    for s in states:
+    for i in range(first, last):
+        s = state(i)
         if s == MISS:
-            break
+            return n, pending, n + 1
         n += 1
         pending |= s == PENDING
-    return n, pending
+    return n, pending, n
 
 
-def _window_run(states: Sequence[str], window: int, first_window: int) -> tuple[int, bool]:
-    """The end (exclusive) of the rightmost run of ``window`` held chunks (the first run
-    counted from the right needs ``first_window``); with none, the run from the start.
-    Also whether a pending chunk lies in the run the answer rests on."""
+def _window_run(state: Callable[[int], str], first: int, last: int, window: int,
+                first_window: int) -> tuple[int, bool, int]:
+    """Of chunks ``[first, last)``, asked from the last down: the end (counted from
+    ``first``, exclusive) of the rightmost run of ``window`` held chunks (the first run
+    counted from the right needs ``first_window``); with none, the run from ``first``.
+    Also whether a pending chunk lies in the run the answer rests on, and the chunks asked."""
     run, pending, need = 0, False, first_window
-    for idx in range(len(states) - 1, -1, -1):
-        if states[idx] == MISS:
+    for i in range(last - 1, first - 1, -1):
+        s = state(i)
+        if s == MISS:
             run, pending, need = 0, False, window
             continue
         run += 1
-        pending |= states[idx] == PENDING
+        pending |= s == PENDING
         if run == need:
-            return idx + need, pending
-    return run, pending
+            return i - first + need, pending, last - i
+    return run, pending, last - first
 
 
 def hit_tokens(groups: Sequence[TierGroup], chunk: int, computed: int, limit: int,
@@ -120,15 +125,17 @@ def hit_tokens(groups: Sequence[TierGroup], chunk: int, computed: int, limit: in
             if end - computed < chunk:
                 return 0, looked
             num_chunks = cdiv(end, chunk)
-            states = [state(g, i) for i in range(first, num_chunks)]
             group = groups[g]
+
+            def of_group(i: int, g: int = g) -> str:
+                return state(g, i)
             if group.is_full:
-                n, pending = _prefix_run(states)
-                looked += min(n + 1, len(states))
+                n, pending, asked = _prefix_run(of_group, first, num_chunks)
             else:
                 first_window = group.load_window_chunks(chunk, min(end, num_chunks * chunk))
-                n, pending = _window_run(states, group.window_chunks(chunk), first_window)
-                looked += len(states)
+                n, pending, asked = _window_run(of_group, first, num_chunks, group.window_chunks(chunk),
+                                                first_window)
+            looked += asked
             if n == 0:
                 return 0, looked
             if pending:
