@@ -271,15 +271,7 @@ def _load_mooncake(path: Path, label: str, trace_name: str, source: str) -> Trac
     )
     hashes = None
     if "hash_ids" in fields:
-        cells = fields["hash_ids"]
-        not_list = next((i for i, c in enumerate(cells) if type(c) is not list), None)
-        if not_list is not None:
-            raise at.error(
-                not_list, "hash_ids", "a list of integers", col.json_raw(cells)(not_list)
-            )
-        lists = cast("list[list[object]]", cells)
-        hashes = col.hash_tuples(lists, col.json_raw(cells), "hash_ids", at)
-        col.hash_counts(hashes, prompt, MOONCAKE_BLOCK_SIZE, "hash_ids", "input_length", at)
+        hashes = _hash_lists(fields["hash_ids"], "hash_ids", prompt, "input_length", at)
     block_size = MOONCAKE_BLOCK_SIZE if hashes is not None else None
     seconds = arrival / 1000.0
     session = _mooncake_sessions(records, at)
@@ -296,16 +288,24 @@ def _context_ids(records: list[dict[str, object]], total: np.ndarray, has_hashes
     if not any(key in r for r in records):
         return None
     cells = [r.get(key, _MISSING) for r in records]
-    bad = next((i for i, c in enumerate(cells) if type(c) is not list), None)
-    if bad is not None:
-        if cells[bad] is _MISSING:
-            raise FragsimError(f"{at.where(bad)}: field '{key}': missing (it goes on every record or on none)")
-        raise at.error(bad, key, "a list of integers", col.json_raw(cells)(bad))
+    absent = next((i for i, c in enumerate(cells) if c is _MISSING), None)
+    if absent is not None:
+        raise FragsimError(f"{at.where(absent)}: field '{key}': missing (it goes on every record or on none)")
     if not has_hashes:
         raise FragsimError(f"{at.where(0)}: field '{key}' needs 'hash_ids' on every record")
-    ids = col.hash_tuples(cast("list[list[object]]", cells), col.json_raw(cells), key, at)
-    col.hash_counts(ids, total, MOONCAKE_BLOCK_SIZE, key, "input_length + output_length", at)
-    return ids
+    return _hash_lists(cells, key, total, "input_length + output_length", at)
+
+
+def _hash_lists(cells: list[object], field: str, tokens: np.ndarray, tokens_field: str,
+                at: col.Locator) -> list[tuple[int, ...]]:
+    """A field of one integer list per record, one id per 512 of ``tokens``; a row that
+    breaks that is named."""
+    not_list = next((i for i, c in enumerate(cells) if type(c) is not list), None)
+    if not_list is not None:
+        raise at.error(not_list, field, "a list of integers", col.json_raw(cells)(not_list))
+    hashes = col.hash_tuples(cast("list[list[object]]", cells), col.json_raw(cells), field, at)
+    col.hash_counts(hashes, tokens, MOONCAKE_BLOCK_SIZE, field, tokens_field, at)
+    return hashes
 
 
 def _mooncake_sessions(records: list[dict[str, object]], at: col.Locator) -> np.ndarray | None:
