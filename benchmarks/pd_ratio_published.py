@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from routing_published import MOONCAKE_CLUSTER
+
 from fragsim.simulate import RunSpec, load_workload, simulate
 
 SPLITS = tuple(range(5, 12))        # prefill instances of 16: 5P11D .. 11P5D
@@ -36,9 +38,8 @@ SPLITS = tuple(range(5, 12))        # prefill instances of 16: 5P11D .. 11P5D
 
 def run(trace_path: Path, prefill: int, num_requests: int | None, load_scale: int) -> dict:
     spec = RunSpec(trace=str(trace_path), num_requests=num_requests, load_scale=load_scale,
-                   model="llama-3.1-70b", gpu="a100-80gb", tp=8, prefix_caching=True, instances=16,
                    prefill_instances=prefill, decode_instances=16 - prefill, router="least-loaded",
-                   max_seq_len=131_072, slo_ttft_s=10.0, slo_tpot_s=0.1)
+                   slo_ttft_s=10.0, slo_tpot_s=0.1, **MOONCAKE_CLUSTER)  # type: ignore[arg-type]
     t0 = time.perf_counter()
     s = simulate(load_workload(spec), "vllm", spec).summary
     n = s["num_requests"]

@@ -35,12 +35,14 @@ from fragsim.simulate import RunSpec, load_workload, simulate
 PAPER = {"random": 19.65, "load balancing": 5.27, "local cache-aware": 3.58, "global cache-aware": 3.07}
 #: fragsim's router standing for each of the paper's policies
 OURS = {"random": "random", "load balancing": "least-loaded", "local cache-aware": "prefix-aware"}
+#: the paper's 16 nodes of 8×A800 with LLaMA3-70B, as fragsim runs them (pd_ratio_published.py too)
+MOONCAKE_CLUSTER = dict(model="llama-3.1-70b", gpu="a100-80gb", tp=8, prefix_caching=True, instances=16,
+                        max_seq_len=131_072)
 
 
 def run(trace_path: Path, router: str, num_requests: int | None, prefill: int) -> dict:
-    spec = RunSpec(trace=str(trace_path), num_requests=num_requests, model="llama-3.1-70b", gpu="a100-80gb",
-                   tp=8, prefix_caching=True, instances=16, prefill_instances=prefill,
-                   decode_instances=16 - prefill, router=router, max_seq_len=131_072)
+    spec = RunSpec(trace=str(trace_path), num_requests=num_requests, prefill_instances=prefill,
+                   decode_instances=16 - prefill, router=router, **MOONCAKE_CLUSTER)  # type: ignore[arg-type]
     t0 = time.perf_counter()
     s = simulate(load_workload(spec), "vllm", spec).summary
     return {"router": router, "mean_ttft_s": s["mean_ttft_s"], "p99_ttft_s": s["p99_ttft_s"],
